@@ -1,0 +1,104 @@
+"""vLLM's KV-cache event wire format as msgspec structs (vLLM 0.32).
+
+A ZMQ frame's payload is one msgpack array ``[ts, events, data_parallel_rank]``; each event
+is a map tagged by its ``"type"`` key. These structs decode what vLLM sends (unknown keys are
+ignored, so newer engines still decode) and encode what the simulator publishes, so both
+shells build the very same objects. ``continuation_id`` on both events and ``num_tokens`` on
+``BlockRemoved`` are Sluice's own keys, added by the engine plugin; old consumers skip them.
+
+Field names follow vllm/distributed/kv_events.py at vLLM 0.32.0.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+# vLLM sends block hashes as ints (64-bit, after conversion) or as raw bytes.
+BlockHash = Union[int, bytes]
+
+
+class KVEvent(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True, gc=False):
+    """Base of every KV-cache event."""
+
+
+class BlockStored(KVEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    continuation_id: str | None = None
+
+
+class BlockRemoved(KVEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    continuation_id: str | None = None
+    num_tokens: int | None = None
+
+
+class AllBlocksCleared(KVEvent, tag="AllBlocksCleared"):
+    pass
+
+
+AnyKVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """``[ts, events, data_parallel_rank]``; the rank is omitted when there is none."""
+
+    ts: float
+    events: list[AnyKVEvent]
+    data_parallel_rank: int | None = None
+
+
+class EventBatchDecoder:
+    """Decodes one frame payload; keeps msgspec's compiled decoder between calls."""
+
+    def __init__(self) -> None:
+        self._decoder = msgspec.msgpack.Decoder(EventBatch)
+
+    def decode(self, payload: bytes) -> EventBatch:
+        return self._decoder.decode(payload)
+
+
+class EventBatchEncoder:
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, batch: EventBatch) -> bytes:
+        return self._encoder.encode(batch)
+
+
+def block_token_counts(event: BlockStored) -> list[int]:
+    """Tokens each stored block covers, in order.
+
+    ``token_ids`` holds the tokens of all ``block_hashes`` concatenated; the last block may
+    be partial. When an engine sends no token ids, every block counts ``block_size``.
+    """
+    n_blocks = len(event.block_hashes)
+    size = event.block_size
+    n_tokens = len(event.token_ids)
+    if n_tokens == 0 or size <= 0:
+        return [max(size, 0)] * n_blocks
+    counts = []
+    remaining = n_tokens
+    for _ in range(n_blocks):
+        take = min(size, remaining)
+        counts.append(take)
+        remaining -= take
+    return counts

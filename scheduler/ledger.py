@@ -1,0 +1,207 @@
+"""The ledger: per-worker capacity, assigned programs and utilization (DESIGN.md §2).
+
+``U_w = (Σ_{p active on w} weight(p)·demand(p) − shared_w + buffer·n_w) / capacity_w``
+
+``weight(p)`` is 1 while REASONING and ``acting_token_weight`` while ACTING; ``demand(p)`` is
+the program's context, or what its in-flight calls may grow to. ``shared_w`` counts the
+prefix tokens the active programs on ``w`` share: from the KV index when the worker's events
+flow, else from the programs' continuation chains (a trie of common ancestors).
+
+Everything is kept incrementally — a program's contribution is recomputed only when it
+changes — so a tick over thousands of programs does not re-sum them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from scheduler.config import ProgramAwareConfig
+from scheduler.kv_index import KVIndex
+from scheduler.programs import Phase, Program
+
+UNKNOWN_CAPACITY_UTILIZATION = float("inf")
+
+
+@dataclass(slots=True)
+class _Counted:
+    """What a program currently adds to its worker's sums."""
+
+    worker: str
+    weighted_demand: float
+    demand: int
+    chain: tuple[tuple[str, int], ...]  # (continuation id, segment tokens)
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    name: str
+    capacity_tokens: int | None = None
+    healthy: bool = True
+    # session -> demand tokens of the active programs assigned here
+    programs: dict[str, int] = field(default_factory=dict)
+    weighted_demand: float = 0.0
+    ancestry_counts: dict[str, int] = field(default_factory=dict)
+    ancestry_shared: int = 0
+
+    @property
+    def accepts_programs(self) -> bool:
+        return self.healthy and bool(self.capacity_tokens)
+
+
+class Ledger:
+    def __init__(self, config: ProgramAwareConfig, index: KVIndex) -> None:
+        self._config = config
+        self._index = index
+        self._workers: dict[str, WorkerLoad] = {}
+        self._counted: dict[str, _Counted] = {}
+
+    def reconfigure(self, config: ProgramAwareConfig) -> None:
+        """Swap thresholds; contributions are recomputed as programs next change."""
+        self._config = config
+
+    # -- workers -------------------------------------------------------------------------
+
+    def add_worker(self, name: str, capacity_tokens: int | None = None) -> WorkerLoad:
+        if name in self._workers:
+            raise ValueError(f"worker {name!r} is already registered")
+        if capacity_tokens is not None and capacity_tokens <= 0:
+            raise ValueError(f"worker {name!r}: capacity must be > 0 tokens, got {capacity_tokens}")
+        load = self._workers[name] = WorkerLoad(name, capacity_tokens)
+        return load
+
+    def set_capacity(self, name: str, capacity_tokens: int) -> None:
+        if capacity_tokens <= 0:
+            raise ValueError(f"worker {name!r}: capacity must be > 0 tokens, got {capacity_tokens}")
+        self.worker(name).capacity_tokens = capacity_tokens
+
+    def set_healthy(self, name: str, healthy: bool) -> None:
+        self.worker(name).healthy = healthy
+
+    def worker(self, name: str) -> WorkerLoad:
+        try:
+            return self._workers[name]
+        except KeyError:
+            raise KeyError(f"unknown worker {name!r}") from None
+
+    def workers(self) -> Iterator[WorkerLoad]:
+        return iter(self._workers.values())
+
+    def worker_names(self) -> list[str]:
+        return list(self._workers)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._workers
+
+    # -- programs ------------------------------------------------------------------------
+
+    def weight(self, program: Program) -> float:
+        return 1.0 if program.phase is Phase.REASONING else self._config.acting_token_weight
+
+    def refresh(self, program: Program) -> None:
+        """Bring the sums in line with ``program``'s current state (call after any change)."""
+        session = program.session_id
+        old = self._counted.get(session)
+        if not program.active or program.home_worker is None:
+            if old is not None:
+                self._uncount(session, old)
+            return
+        demand = program.demand_tokens()
+        weighted = self.weight(program) * demand
+        chain = _chain_segments(program)
+        if old is not None and old.worker == program.home_worker:
+            load = self._workers[old.worker]
+            load.weighted_demand += weighted - old.weighted_demand
+            load.programs[session] = demand
+            if chain != old.chain:
+                self._ancestry(load, old.chain, -1)
+                self._ancestry(load, chain, +1)
+            old.weighted_demand, old.demand, old.chain = weighted, demand, chain
+            return
+        if old is not None:
+            self._uncount(session, old)
+        load = self.worker(program.home_worker)
+        load.weighted_demand += weighted
+        load.programs[session] = demand
+        self._ancestry(load, chain, +1)
+        self._index.worker(load.name).set_counted(session, True)
+        self._counted[session] = _Counted(load.name, weighted, demand, chain)
+
+    def forget(self, session: str) -> None:
+        old = self._counted.get(session)
+        if old is not None:
+            self._uncount(session, old)
+
+    def _uncount(self, session: str, old: _Counted) -> None:
+        load = self._workers[old.worker]
+        del load.programs[session]
+        load.weighted_demand -= old.weighted_demand
+        if not load.programs:
+            load.weighted_demand = 0.0  # no float drift on an empty worker
+        self._ancestry(load, old.chain, -1)
+        self._index.worker(load.name).set_counted(session, False)
+        del self._counted[session]
+
+    @staticmethod
+    def _ancestry(load: WorkerLoad, chain: tuple[tuple[str, int], ...], delta: int) -> None:
+        counts = load.ancestry_counts
+        for node, tokens in chain:
+            before = counts.get(node, 0)
+            after = before + delta
+            if after:
+                counts[node] = after
+            else:
+                del counts[node]
+            load.ancestry_shared += tokens * (max(0, after - 1) - max(0, before - 1))
+
+    # -- utilization ---------------------------------------------------------------------
+
+    def shared_tokens(self, name: str) -> int:
+        if self._index.has_events(name):
+            return self._index.worker(name).shared_tokens
+        return self._workers[name].ancestry_shared
+
+    def load_tokens(self, name: str) -> float:
+        """The numerator of ``U_w``."""
+        load = self._workers[name]
+        return (
+            load.weighted_demand
+            - self.shared_tokens(name)
+            + self._config.buffer_per_program * len(load.programs)
+        )
+
+    def utilization(self, name: str) -> float:
+        load = self._workers[name]
+        if not load.capacity_tokens:
+            return UNKNOWN_CAPACITY_UTILIZATION
+        return self.load_tokens(name) / load.capacity_tokens
+
+    def utilization_with(self, name: str, extra_tokens: float, extra_programs: int = 1) -> float:
+        """``U_w`` if a program adding ``extra_tokens`` joined ``w``."""
+        load = self._workers[name]
+        if not load.capacity_tokens:
+            return UNKNOWN_CAPACITY_UTILIZATION
+        extra = extra_tokens + self._config.buffer_per_program * extra_programs
+        return (self.load_tokens(name) + extra) / load.capacity_tokens
+
+    def contribution(self, session: str) -> float:
+        """Tokens ``session`` currently adds to its worker (0 when it is not counted)."""
+        counted = self._counted.get(session)
+        if counted is None:
+            return 0.0
+        return counted.weighted_demand + self._config.buffer_per_program
+
+    def counted_worker(self, session: str) -> str | None:
+        counted = self._counted.get(session)
+        return None if counted is None else counted.worker
+
+
+def _chain_segments(program: Program) -> tuple[tuple[str, int], ...]:
+    if program.chain is None or program.chain_tokens is None:
+        return ()
+    segments = []
+    previous = 0
+    for cid, cumulative in zip(program.chain.ids, program.chain_tokens):
+        segments.append((cid, max(0, cumulative - previous)))
+        previous = cumulative
+    return tuple(segments)

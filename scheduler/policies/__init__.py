@@ -1,0 +1,41 @@
+"""Policies behind one interface; :func:`make_policy` builds the one a config names."""
+
+from __future__ import annotations
+
+from scheduler.config import PolicyConfig
+from scheduler.policies.base import Policy
+from scheduler.policies.continuum import ContinuumPolicy
+from scheduler.policies.program_aware import ProgramAwarePolicy
+from scheduler.policies.routing import (
+    KvAwarePolicy,
+    LeastLoadedPolicy,
+    RoundRobinPolicy,
+    StickyLeastLoadedPolicy,
+)
+from scheduler.policies.thunderagent import ThunderAgentPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        ProgramAwarePolicy,
+        RoundRobinPolicy,
+        LeastLoadedPolicy,
+        KvAwarePolicy,
+        StickyLeastLoadedPolicy,
+        ThunderAgentPolicy,
+        ContinuumPolicy,
+    )
+}
+
+
+def make_policy(config: PolicyConfig | None = None, name: str | None = None) -> Policy:
+    """Build a fresh policy; ``name`` overrides ``config.name``."""
+    config = config or PolicyConfig()
+    if name is not None:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+        config = config.model_copy(update={"name": name})
+    return POLICIES[config.name](config)
+
+
+__all__ = ["POLICIES", "Policy", "make_policy"]

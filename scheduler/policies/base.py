@@ -1,0 +1,237 @@
+"""The one interface every policy implements, and the bookkeeping they all share.
+
+A shell drives a policy with observations and ``now``:
+``on_arrival`` → :class:`Admit` or :class:`Hold`; ``on_complete`` / ``on_abort`` → actions;
+``tick`` → actions (including :class:`Admit` for calls held earlier); ``observe_kv`` feeds the
+KV index. The shell carries out what comes back and never decides anything itself.
+
+Subclasses choose where a call goes (:meth:`Policy.place_new`) and may hold programs; the
+base keeps the program table, the calls in flight and held, the ledger and the index, so
+every policy is measured on the same state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from scheduler.actions import Action, Admit, Decision, Hold, Release
+from scheduler.calls import CallRequest, Usage
+from scheduler.config import PolicyConfig
+from scheduler.coordinates import SessionId
+from scheduler.kv_events import EventBatch
+from scheduler.kv_index import KVIndex
+from scheduler.ledger import Ledger
+from scheduler.programs import Lifecycle, Program
+
+
+class UnknownCall(KeyError):
+    """A completion or abort named a call the policy never saw (a shell bug)."""
+
+
+@dataclass(slots=True)
+class Call:
+    request: CallRequest
+    arrived_at: float
+    worker: str | None = None  # None while held
+
+    @property
+    def session_id(self) -> SessionId:
+        return self.request.session_id
+
+
+@dataclass(slots=True)
+class PolicyStats:
+    admitted: int = 0
+    held: int = 0
+    pauses: int = 0
+    resumes: int = 0
+    forced_resumes: int = 0
+    marks: int = 0
+    releases: int = 0
+
+
+class Policy(ABC):
+    """Shared state and bookkeeping; subclasses decide placement and pausing."""
+
+    name: str = "abstract"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.index = KVIndex()
+        self.ledger = Ledger(config, self.index)
+        self.programs: dict[SessionId, Program] = {}
+        self.calls: dict[str, Call] = {}
+        self.stats = PolicyStats()
+
+    # -- configuration and workers -------------------------------------------------------
+
+    @property
+    def tick_interval_s(self) -> float:
+        return self.config.tick_interval_s
+
+    def reconfigure(self, config: PolicyConfig) -> None:
+        """Swap thresholds at run time (hot reload); the policy's kind may not change."""
+        if config.name != self.config.name:
+            raise ValueError(f"cannot switch policy from {self.config.name} to {config.name} live")
+        self.config = config
+        self.ledger.reconfigure(config)
+
+    def add_worker(self, name: str, capacity_tokens: int | None = None) -> None:
+        self.ledger.add_worker(name, capacity_tokens)
+        self.index.worker(name)
+
+    def set_capacity(self, name: str, capacity_tokens: int) -> None:
+        self.ledger.set_capacity(name, capacity_tokens)
+
+    def set_worker_health(self, name: str, healthy: bool, now: float) -> list[Action]:
+        """Mark a worker (un)healthy; programs homed on a failed worker are re-homed."""
+        self.ledger.set_healthy(name, healthy)
+        if healthy:
+            return []
+        actions: list[Action] = []
+        for program in list(self.programs.values()):
+            if program.home_worker == name and not program.in_flight:
+                actions.extend(self._unhome(program, now))
+        return actions
+
+    def _unhome(self, program: Program, now: float) -> list[Action]:
+        """Forget a program's placement so its next call is placed afresh."""
+        program.home_worker = None
+        if program.active:
+            program.lifecycle = Lifecycle.PENDING
+        self.ledger.refresh(program)
+        return []
+
+    # -- observations --------------------------------------------------------------------
+
+    def observe_kv(self, worker: str, batch: EventBatch) -> int:
+        """Feed one decoded event batch from ``worker``; returns the hashes it carried."""
+        return self.index.apply_batch(worker, batch)
+
+    def reset_worker_kv(self, worker: str) -> None:
+        """The worker's engine restarted or its event stream cannot be repaired."""
+        self.index.reset_worker(worker)
+
+    def on_arrival(self, request: CallRequest, now: float) -> Decision:
+        if request.request_id in self.calls:
+            raise ValueError(f"call {request.request_id} arrived twice")
+        program = self.programs.get(request.session_id)
+        if program is None:
+            program = Program(request.session_id, now, request.parent_session_id)
+            self.programs[request.session_id] = program
+        call = Call(request, now)
+        self.calls[request.request_id] = call
+        decision = self.decide_arrival(program, call, now)
+        if isinstance(decision, Admit):
+            self._dispatch(program, call, decision.worker, now)
+        else:
+            program.hold(request.request_id, now)
+            self.stats.held += 1
+        return decision
+
+    def on_complete(self, request_id: str, usage: Usage, now: float) -> list[Action]:
+        call, program = self._finish(request_id, usage, now)
+        actions: list[Action] = []
+        if call.request.final:
+            actions.extend(self.release(program.session_id, now, "final"))
+        else:
+            actions.extend(self.after_call(program, now))
+        return actions
+
+    def on_abort(self, request_id: str, now: float) -> list[Action]:
+        """A call ended without a response, or a held call's client went away."""
+        call = self.calls.get(request_id)
+        if call is None:
+            raise UnknownCall(request_id)
+        if call.worker is None:
+            del self.calls[request_id]
+            program = self.programs[call.session_id]
+            program.drop_waiting(request_id)
+            return []
+        _, program = self._finish(request_id, None, now)
+        return self.after_call(program, now)
+
+    def release(self, session_id: SessionId, now: float, reason: str) -> list[Action]:
+        """End a program (final call, idle, or an operator); its held calls are aborted."""
+        program = self.programs.pop(session_id, None)
+        if program is None:
+            return []
+        for request_id in program.waiting:
+            self.calls.pop(request_id, None)
+        self.ledger.forget(session_id)
+        self.stats.releases += 1
+        return [Release(session_id, program.home_worker, reason)]
+
+    # -- the parts a policy decides ------------------------------------------------------
+
+    @abstractmethod
+    def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
+        """Admit the call to a worker now, or hold it."""
+
+    def after_call(self, program: Program, now: float) -> list[Action]:
+        """Hook after a call of ``program`` finished or was aborted."""
+        return []
+
+    @abstractmethod
+    def tick(self, now: float) -> list[Action]:
+        """Periodic pass; also run by the shells after each completion."""
+
+    # -- helpers for subclasses ----------------------------------------------------------
+
+    def _dispatch(self, program: Program, call: Call, worker: str, now: float) -> None:
+        if program.pending:
+            program.place(worker, now)
+        elif program.home_worker != worker:
+            program.home_worker = worker
+        call.worker = worker
+        program.begin_call(call.request, self.config.growth_reserve_tokens, now)
+        self.ledger.refresh(program)
+        self.stats.admitted += 1
+
+    def _finish(self, request_id: str, usage: Usage | None, now: float) -> tuple[Call, Program]:
+        call = self.calls.pop(request_id, None)
+        if call is None or call.worker is None:
+            raise UnknownCall(request_id)
+        program = self.programs[call.session_id]
+        program.end_call(request_id, usage, now)
+        self.ledger.refresh(program)
+        return call, program
+
+    def _admit_waiting(self, program: Program, worker: str, now: float, resumed: bool) -> list[Action]:
+        """Dispatch every held call of an ACTIVE program to ``worker``."""
+        boost = self.config.resume_priority_boost_s if resumed else 0.0
+        actions: list[Action] = []
+        for request_id in program.take_waiting():
+            call = self.calls[request_id]
+            self._dispatch(program, call, worker, now)
+            actions.append(Admit(request_id, program.session_id, worker,
+                                 call.arrived_at - boost, resumed=resumed))
+        return actions
+
+    def resident_prefix(self, worker: str, call: Call) -> int:
+        """Tokens of the call's prompt resident on ``worker`` by the best evidence at hand:
+        the engine's block hashes, else continuation labels, else the session's own blocks."""
+        request = call.request
+        kv = self.index.worker(worker)
+        resident = kv.session_tokens.get(request.session_id, 0)
+        if request.block_hashes:
+            resident = max(resident, kv.prefix_tokens(request.block_hashes))
+        elif request.chain is not None:
+            resident = max(resident, kv.continuation_tokens(reversed(request.chain.ids)))
+        return min(resident, request.prompt_tokens)
+
+    def healthy_workers(self) -> list[str]:
+        return [load.name for load in self.ledger.workers() if load.healthy]
+
+    def held_calls(self) -> Iterable[Call]:
+        return (call for call in self.calls.values() if call.worker is None)
+
+
+def hold(call: Call, reason: str) -> Hold:
+    return Hold(call.request.request_id, call.session_id, reason)
+
+
+def admit(call: Call, worker: str, boost_s: float = 0.0, resumed: bool = False) -> Admit:
+    return Admit(call.request.request_id, call.session_id, worker, call.arrived_at - boost_s, resumed)

@@ -1,0 +1,60 @@
+"""Continuum: keep a program's KV through its tool call with a time-to-live (DESIGN.md §4).
+
+Source: "Continuum: Efficient and Robust Multi-Turn LLM Agent Scheduling with KV Cache
+Time-to-Live" (arXiv 2511.02230). When a call ends in a tool call, the program's KV is
+pinned for a TTL; calls are served first-come-first-served by *program* arrival, so a
+program's later turns are not overtaken by newer programs. No pausing, no admission
+control.
+
+Parameters: the TTL is chosen from the distribution of observed tool durations, as the
+paper does with its historical CDF; Sluice takes the ``continuum_ttl_quantile`` quantile
+of the last observed tool times, starting from ``continuum_ttl_s`` (2.0 s, the preview
+code's fixed threshold) until enough are seen, and never above ``continuum_max_ttl_s``.
+The pin is a :class:`Retain` at ``continuum_pin_priority`` (100). Placement across
+workers, which Continuum (a single-engine scheduler) leaves open, is sticky least-loaded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from scheduler.actions import Action, Admit, Decision, Retain
+from scheduler.config import PolicyConfig
+from scheduler.programs import Program
+from scheduler.policies.base import Call
+from scheduler.policies.routing import StickyLeastLoadedPolicy
+
+MIN_SAMPLES = 20
+HISTORY = 1000
+
+
+class ContinuumPolicy(StickyLeastLoadedPolicy):
+    name = "continuum"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._tool_times: deque[float] = deque(maxlen=HISTORY)
+
+    def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
+        if program.acting_since is not None and program.steps > 0:
+            self._tool_times.append(now - program.acting_since)
+        decision = super().decide_arrival(program, call, now)
+        if isinstance(decision, Admit):
+            # FCFS by program: the engine orders calls by when their program arrived.
+            return Admit(decision.request_id, decision.session_id, decision.worker, program.created_at)
+        return decision
+
+    def ttl_s(self) -> float:
+        baselines = self.config.baselines
+        if len(self._tool_times) < MIN_SAMPLES:
+            return baselines.continuum_ttl_s
+        ordered = sorted(self._tool_times)
+        index = min(len(ordered) - 1, int(baselines.continuum_ttl_quantile * len(ordered)))
+        return min(baselines.continuum_max_ttl_s, ordered[index])
+
+    def after_call(self, program: Program, now: float) -> list[Action]:
+        if program.in_flight or program.home_worker is None:
+            return []
+        head = program.chain.head if program.chain is not None else None
+        return [Retain(program.session_id, program.home_worker,
+                       self.config.baselines.continuum_pin_priority, self.ttl_s(), head)]

@@ -1,0 +1,384 @@
+"""Sluice's program-aware policy (DESIGN.md §3).
+
+A tick runs, in order: release idle programs → resume → pause → soft band → retention.
+
+- **Pause**: on each worker with ``U ≥ pause_threshold``, pause ACTING programs smallest
+  first until ``U ≤ pause_target``; if that is not enough, mark REASONING programs smallest
+  first, counting marked tokens as already gone. Nothing in flight is aborted: a marked
+  program pauses when its last call completes.
+- **Resume**: paused programs with a waiting call, then new programs, then idle paused
+  ones; smallest first inside a group, sizes halved every ``resume_aging_halflife_s`` of
+  waiting so a large program is not bypassed forever. Each goes to its home worker if it
+  fits there (its KV may still be resident), else to the parent's worker for a sub-agent,
+  else best fit (the fitting worker with the least headroom left). "Fits" means
+  ``U ≤ pause_threshold − resume_hysteresis`` afterwards. A program parked for
+  ``force_resume_after_s`` is resumed regardless (its home, else the emptiest worker).
+- **Admission of a new program**: score = prefix credit − U, minus the soft-band penalty,
+  among workers where it fits below ``pause_threshold``; sub-agents go to their parent's
+  worker when it fits. While other programs wait for room, a new one queues behind them
+  (as ThunderAgent does), and the resume pass orders them.
+- **Soft band**: calls admitted to a worker with ``pause_target ≤ U < pause_threshold`` go
+  ``|soft_band_penalty|`` seconds later in the engine's queue (the Dynamo port's soft demote).
+- **Retention**: a placed or resumed program gets ``Retain`` (refreshed before its TTL
+  runs out while it stays active); a paused one ``Demote``; a released one ``Release``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from scheduler.actions import Action, Admit, Decision, Demote, Mark, Pause, Resume, Retain
+from scheduler.config import PolicyConfig
+from scheduler.programs import Phase, Program
+from scheduler.policies.base import Call, Policy, hold
+
+# Resume groups, in the order they are served.
+_WAITING, _NEW, _IDLE = 0, 1, 2
+
+
+class ProgramAwarePolicy(Policy):
+    name = "program_aware"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        # programs PAUSED or PENDING, in the order they were parked
+        self._parked: dict[str, None] = {}
+        self._soft_band: frozenset[str] = frozenset()
+        # (deadline, session) heaps, validated lazily when popped
+        self._idle_deadlines: list[tuple[float, str]] = []
+        self._retain_refresh: list[tuple[float, str]] = []
+        self._retained_until: dict[str, float] = {}
+        self._retention_due: dict[str, None] = {}
+
+    # -- arrivals and completions ----------------------------------------------------
+
+    def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
+        if program.active and program.home_worker is not None:
+            if self.ledger.worker(program.home_worker).healthy:
+                return self._admit(call, program.home_worker)
+            self._unhome(program, now)
+        if program.paused:
+            return hold(call, "program paused")
+        self._park(program)
+        if program.waiting:
+            return hold(call, "program waiting for room")
+        if self._someone_waits(program):
+            return hold(call, "queued behind waiting programs")
+        worker = self._route_new(program, call)
+        if worker is None:
+            return hold(call, "no worker has room")
+        self._unpark(program)
+        self._retention_due[program.session_id] = None
+        return self._admit(call, worker)
+
+    def after_call(self, program: Program, now: float) -> list[Action]:
+        if program.in_flight:
+            return []
+        heapq.heappush(self._idle_deadlines, (now + self.config.idle_release_s, program.session_id))
+        if program.marked and program.active:
+            return self._pause_program(program, now)
+        return []
+
+    def release(self, session_id, now, reason):  # type: ignore[override]
+        self._parked.pop(session_id, None)
+        self._retained_until.pop(session_id, None)
+        self._retention_due.pop(session_id, None)
+        return super().release(session_id, now, reason)
+
+    def _unhome(self, program: Program, now: float) -> list[Action]:
+        was_active = program.active
+        actions = super()._unhome(program, now)
+        if was_active:
+            self._park(program)
+        return actions
+
+    # -- the tick --------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        actions += self._release_idle(now)
+        actions += self._resume(now)
+        actions += self._pause(now)
+        self._update_soft_band()
+        actions += self._retention(now)
+        return actions
+
+    def _release_idle(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        heap = self._idle_deadlines
+        while heap and heap[0][0] <= now:
+            _, session = heapq.heappop(heap)
+            program = self.programs.get(session)
+            if program is None or program.in_flight or program.waiting:
+                continue
+            if now - program.last_activity < self.config.idle_release_s:
+                continue  # active again since; a newer deadline is in the heap
+            actions += self.release(program.session_id, now, "idle")
+        return actions
+
+    # -- resume ----------------------------------------------------------------------
+
+    def _resume(self, now: float) -> list[Action]:
+        if not self._parked:
+            return []
+        actions: list[Action] = []
+        force_after = self.config.force_resume_after_s
+        limit = self.config.pause_threshold - self.config.resume_hysteresis
+        candidates = []
+        for session in list(self._parked):
+            program = self.programs[session]
+            waited = now - self._parked_since(program)
+            if waited >= force_after:
+                actions += self._force_resume(program, now)
+                continue
+            group = _WAITING if (program.paused and program.waiting) else (
+                _NEW if program.pending else _IDLE)
+            if program.pending and not program.waiting:
+                continue  # re-homed program with nothing to run yet
+            demand = self._demand_when_resumed(program)
+            aged = demand * math.pow(0.5, waited / self.config.resume_aging_halflife_s)
+            candidates.append((group, aged, session, demand))
+        if not candidates:
+            return actions
+        candidates.sort()
+        headroom = self._max_headroom(limit)
+        for _group, _aged, session, demand in candidates:
+            if demand + self.config.buffer_per_program > headroom:
+                continue
+            program = self.programs[session]
+            worker = self._resume_target(program, demand, limit)
+            if worker is None:
+                continue
+            actions += self._resume_program(program, worker, now, forced=False)
+            headroom = self._max_headroom(limit)
+        return actions
+
+    def _resume_target(self, program: Program, demand: float, limit: float) -> str | None:
+        weighted = demand if program.waiting else demand * self.config.acting_token_weight
+        preferred = [program.home_worker]
+        if program.parent_session_id is not None:
+            parent = self.programs.get(program.parent_session_id)
+            if parent is not None:
+                preferred.append(parent.home_worker)
+        for worker in preferred:
+            if worker is not None and self._fits(worker, weighted, limit):
+                return worker
+        best, best_u = None, -math.inf
+        for load in self.ledger.workers():
+            if not load.accepts_programs:
+                continue
+            u = self.ledger.utilization_with(load.name, weighted)
+            if u <= limit and u > best_u:
+                best, best_u = load.name, u
+        return best
+
+    def _force_resume(self, program: Program, now: float) -> list[Action]:
+        worker = program.home_worker
+        if worker is None or not self.ledger.worker(worker).accepts_programs:
+            worker = self._emptiest_worker()
+        if worker is None:
+            return []
+        if program.pending and not program.waiting:
+            return []
+        return self._resume_program(program, worker, now, forced=True)
+
+    def _resume_program(self, program: Program, worker: str, now: float, forced: bool) -> list[Action]:
+        was_paused = program.paused
+        if program.pending:
+            program.place(worker, now)
+        else:
+            program.resume(worker, now)
+        self._unpark(program)
+        self.ledger.refresh(program)
+        self._retention_due[program.session_id] = None
+        actions: list[Action] = []
+        if was_paused:
+            self.stats.resumes += 1
+            if forced:
+                self.stats.forced_resumes += 1
+            actions.append(Resume(program.session_id, worker, forced))
+        else:
+            if forced:
+                self.stats.forced_resumes += 1
+        actions += self._admit_waiting(program, worker, now, resumed=was_paused)
+        if not program.in_flight:
+            heapq.heappush(self._idle_deadlines, (now + self.config.idle_release_s, program.session_id))
+        return actions
+
+    # -- pause -----------------------------------------------------------------------
+
+    def _pause(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        threshold = self.config.pause_threshold
+        target = self.config.pause_target
+        for load in self.ledger.workers():
+            if not load.capacity_tokens or self.ledger.utilization(load.name) < threshold:
+                continue
+            capacity = load.capacity_tokens
+            on_worker = [self.programs[s] for s in load.programs]
+            marked = sum(self.ledger.contribution(p.session_id) for p in on_worker if p.marked)
+            projected = self.ledger.utilization(load.name) - marked / capacity
+            if projected <= target:
+                continue
+            acting = sorted(
+                (p for p in on_worker if p.phase is Phase.ACTING),
+                key=lambda p: (self.ledger.contribution(p.session_id), p.session_id),
+            )
+            for program in acting:
+                if projected <= target:
+                    break
+                actions += self._pause_program(program, now)
+                projected = self.ledger.utilization(load.name) - marked / capacity
+            if projected <= target:
+                continue
+            reasoning = sorted(
+                (p for p in on_worker if p.phase is Phase.REASONING and not p.marked),
+                key=lambda p: (self.ledger.contribution(p.session_id), p.session_id),
+            )
+            for program in reasoning:
+                if projected <= target:
+                    break
+                program.mark()
+                self.stats.marks += 1
+                projected -= self.ledger.contribution(program.session_id) / capacity
+                actions.append(Mark(program.session_id, load.name))
+        return actions
+
+    def _pause_program(self, program: Program, now: float) -> list[Action]:
+        worker = program.home_worker
+        assert worker is not None
+        program.pause(now)
+        self.ledger.refresh(program)
+        self._park(program)
+        self.stats.pauses += 1
+        self._retained_until.pop(program.session_id, None)
+        actions: list[Action] = [Pause(program.session_id, worker)]
+        if self.config.retention.enabled:
+            actions.append(Demote(program.session_id, worker))
+        return actions
+
+    def projected_utilization(self, worker: str) -> float:
+        """``U_w`` with marked programs' tokens counted as already gone."""
+        load = self.ledger.worker(worker)
+        if not load.capacity_tokens:
+            return math.inf
+        marked = sum(
+            self.ledger.contribution(s) for s in load.programs if self.programs[s].marked
+        )
+        return self.ledger.utilization(worker) - marked / load.capacity_tokens
+
+    # -- soft band and retention -------------------------------------------------------
+
+    def _update_soft_band(self) -> None:
+        low, high = self.config.pause_target, self.config.pause_threshold
+        self._soft_band = frozenset(
+            load.name
+            for load in self.ledger.workers()
+            if load.capacity_tokens and low <= self.ledger.utilization(load.name) < high
+        )
+
+    def in_soft_band(self, worker: str) -> bool:
+        return worker in self._soft_band
+
+    def _retention(self, now: float) -> list[Action]:
+        retention = self.config.retention
+        if not retention.enabled:
+            self._retention_due.clear()
+            return []
+        actions: list[Action] = []
+        heap = self._retain_refresh
+        while heap and heap[0][0] <= now:
+            _, session = heapq.heappop(heap)
+            if session in self._retained_until and self._retained_until[session] - now <= (
+                retention.ttl_s * retention.refresh_fraction
+            ):
+                self._retention_due[session] = None
+        for session in self._retention_due:
+            program = self.programs.get(session)
+            if program is None or not program.active or program.home_worker is None:
+                continue
+            head = program.chain.head if program.chain is not None else None
+            actions.append(
+                Retain(session, program.home_worker, retention.active_priority, retention.ttl_s, head)
+            )
+            self._retained_until[session] = now + retention.ttl_s
+            refresh_at = now + retention.ttl_s * (1.0 - retention.refresh_fraction)
+            heapq.heappush(heap, (refresh_at, session))
+        self._retention_due.clear()
+        return actions
+
+    # -- placement helpers -----------------------------------------------------------
+
+    def _admit(self, call: Call, worker: str) -> Admit:
+        delay = -self.config.soft_band_penalty if worker in self._soft_band else 0.0
+        return Admit(call.request.request_id, call.session_id, worker, call.arrived_at + delay)
+
+    def _route_new(self, program: Program, call: Call) -> str | None:
+        request = call.request
+        demand = max(program.context_tokens, request.prompt_tokens + self.config.growth_reserve_tokens)
+        threshold = self.config.pause_threshold
+        if program.parent_session_id is not None:
+            parent = self.programs.get(program.parent_session_id)
+            if parent is not None and parent.home_worker is not None:
+                if self._fits(parent.home_worker, demand, threshold):
+                    return parent.home_worker
+        best, best_score = None, -math.inf
+        for load in self.ledger.workers():
+            if not load.accepts_programs:
+                continue
+            u_after = self.ledger.utilization_with(load.name, demand)
+            if u_after > threshold:
+                continue
+            score = self.prefix_credit(load.name, call) - self.ledger.utilization(load.name)
+            if load.name in self._soft_band:
+                score += self.config.soft_band_penalty
+            if score > best_score:
+                best, best_score = load.name, score
+        return best
+
+    def prefix_credit(self, worker: str, call: Call) -> float:
+        """Share of the call's prompt already resident on ``worker`` (0..1)."""
+        prompt = call.request.prompt_tokens
+        return self.resident_prefix(worker, call) / prompt if prompt > 0 else 0.0
+
+    def _fits(self, worker: str, demand: float, limit: float) -> bool:
+        load = self.ledger.worker(worker)
+        return load.accepts_programs and self.ledger.utilization_with(worker, demand) <= limit
+
+    def _max_headroom(self, limit: float) -> float:
+        best = 0.0
+        for load in self.ledger.workers():
+            if load.accepts_programs:
+                best = max(best, limit * load.capacity_tokens - self.ledger.load_tokens(load.name))
+        return best
+
+    def _emptiest_worker(self) -> str | None:
+        best, best_free = None, -math.inf
+        for load in self.ledger.workers():
+            if load.accepts_programs:
+                free = load.capacity_tokens - self.ledger.load_tokens(load.name)
+                if free > best_free:
+                    best, best_free = load.name, free
+        return best
+
+    def _demand_when_resumed(self, program: Program) -> int:
+        prompts = [self.calls[r].request.prompt_tokens for r in program.waiting]
+        if prompts:
+            return max(program.context_tokens, max(prompts) + self.config.growth_reserve_tokens)
+        return program.context_tokens
+
+    def _someone_waits(self, program: Program) -> bool:
+        for session in self._parked:
+            if session != program.session_id and self.programs[session].waiting:
+                return True
+        return False
+
+    def _parked_since(self, program: Program) -> float:
+        return program.paused_since if program.paused_since is not None else program.created_at
+
+    def _park(self, program: Program) -> None:
+        self._parked[program.session_id] = None
+
+    def _unpark(self, program: Program) -> None:
+        self._parked.pop(program.session_id, None)

@@ -1,0 +1,177 @@
+"""The program state machine (DESIGN.md §2 "Programs").
+
+A program is one agent run, keyed by its session id. Its ``phase`` is REASONING while at
+least one of its calls is in flight and ACTING between a response and the next request.
+Its ``lifecycle`` is PENDING until it is first placed on a worker, then ACTIVE or PAUSED.
+PENDING is the one state DESIGN.md's two-valued lifecycle leaves implicit: a new program
+the policy holds has no home worker and nothing resident yet, so it is neither.
+
+Every transition is a method that checks the current state; an illegal one raises
+:class:`IllegalTransition` because it means a bug in a policy or a shell.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler.calls import CallRequest, Usage
+from scheduler.coordinates import ContinuationChain, SessionId
+
+
+class Phase(enum.Enum):
+    REASONING = "reasoning"
+    ACTING = "acting"
+
+
+class Lifecycle(enum.Enum):
+    PENDING = "pending"
+    ACTIVE = "active"
+    PAUSED = "paused"
+
+
+class IllegalTransition(RuntimeError):
+    """A state change that the program's current state does not allow."""
+
+
+@dataclass(slots=True)
+class Program:
+    session_id: SessionId
+    created_at: float
+    parent_session_id: SessionId | None = None
+    phase: Phase = Phase.ACTING
+    lifecycle: Lifecycle = Lifecycle.PENDING
+    marked: bool = False
+    home_worker: str | None = None
+    context_tokens: int = 0
+    # request_id -> tokens that call may occupy while it runs (prompt + growth reserve)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    # held request ids, oldest first: calls that arrived while the program could not run
+    waiting: list[str] = field(default_factory=list)
+    steps: int = 0
+    acting_since: float | None = None
+    paused_since: float | None = None
+    last_activity: float = 0.0
+    chain: ContinuationChain | None = None
+    chain_tokens: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.last_activity = self.created_at
+
+    # -- derived ---------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.lifecycle is Lifecycle.ACTIVE
+
+    @property
+    def paused(self) -> bool:
+        return self.lifecycle is Lifecycle.PAUSED
+
+    @property
+    def pending(self) -> bool:
+        return self.lifecycle is Lifecycle.PENDING
+
+    def demand_tokens(self) -> int:
+        """Tokens this program needs resident: its context, or what its calls may grow to."""
+        if self.in_flight:
+            return max(self.context_tokens, max(self.in_flight.values()))
+        return self.context_tokens
+
+    def waiting_demand_tokens(self, reserve: int, prompt_tokens: dict[str, int]) -> int:
+        """Demand once its waiting calls are admitted (used to place held programs)."""
+        biggest = max((prompt_tokens.get(r, 0) for r in self.waiting), default=0)
+        return max(self.context_tokens, biggest + reserve if self.waiting else 0)
+
+    # -- transitions -----------------------------------------------------------------------
+
+    def place(self, worker: str, now: float) -> None:
+        """PENDING → ACTIVE on ``worker``."""
+        if self.lifecycle is not Lifecycle.PENDING:
+            raise IllegalTransition(f"{self.session_id}: place() needs PENDING, is {self.lifecycle.name}")
+        self.lifecycle = Lifecycle.ACTIVE
+        self.home_worker = worker
+        self.last_activity = now
+
+    def begin_call(self, request: CallRequest, reserve_tokens: int, now: float) -> None:
+        """A call is dispatched: the program is REASONING while any call is in flight."""
+        if self.lifecycle is not Lifecycle.ACTIVE:
+            raise IllegalTransition(
+                f"{self.session_id}: a call can only start while ACTIVE, is {self.lifecycle.name}"
+            )
+        if request.request_id in self.in_flight:
+            raise IllegalTransition(f"{self.session_id}: call {request.request_id} already in flight")
+        self.in_flight[request.request_id] = request.prompt_tokens + reserve_tokens
+        self.phase = Phase.REASONING
+        self.acting_since = None
+        self.last_activity = now
+        if request.chain is not None:
+            self.chain = request.chain
+            self.chain_tokens = request.chain_tokens
+
+    def end_call(self, request_id: str, usage: Usage | None, now: float) -> None:
+        """A call finished (``usage`` given) or was aborted (``usage`` None)."""
+        if request_id not in self.in_flight:
+            raise IllegalTransition(f"{self.session_id}: call {request_id} is not in flight")
+        del self.in_flight[request_id]
+        if usage is not None:
+            self.context_tokens = usage.context_tokens
+            self.steps += 1
+        self.last_activity = now
+        if not self.in_flight:
+            self.phase = Phase.ACTING
+            self.acting_since = now
+
+    def mark(self) -> None:
+        """Ask for a pause at the next tool boundary (only while REASONING and ACTIVE)."""
+        if self.lifecycle is not Lifecycle.ACTIVE or self.phase is not Phase.REASONING:
+            raise IllegalTransition(
+                f"{self.session_id}: mark() needs ACTIVE+REASONING, is "
+                f"{self.lifecycle.name}+{self.phase.name}"
+            )
+        if self.marked:
+            raise IllegalTransition(f"{self.session_id}: already marked")
+        self.marked = True
+
+    def pause(self, now: float) -> None:
+        """ACTIVE+ACTING → PAUSED. Calls in flight are never aborted, so REASONING raises."""
+        if self.lifecycle is not Lifecycle.ACTIVE or self.phase is not Phase.ACTING:
+            raise IllegalTransition(
+                f"{self.session_id}: pause() needs ACTIVE+ACTING, is "
+                f"{self.lifecycle.name}+{self.phase.name}"
+            )
+        self.lifecycle = Lifecycle.PAUSED
+        self.marked = False
+        self.paused_since = now
+
+    def resume(self, worker: str, now: float) -> None:
+        """PAUSED or PENDING → ACTIVE on ``worker`` (which becomes its home)."""
+        if self.lifecycle is Lifecycle.ACTIVE:
+            raise IllegalTransition(f"{self.session_id}: resume() on an ACTIVE program")
+        self.lifecycle = Lifecycle.ACTIVE
+        self.home_worker = worker
+        self.paused_since = None
+        self.last_activity = now
+
+    def hold(self, request_id: str, now: float) -> None:
+        """A call arrived that may not run yet (program PENDING or PAUSED)."""
+        if self.lifecycle is Lifecycle.ACTIVE:
+            raise IllegalTransition(f"{self.session_id}: hold() on an ACTIVE program")
+        if request_id in self.waiting:
+            raise IllegalTransition(f"{self.session_id}: call {request_id} already waiting")
+        self.waiting.append(request_id)
+        self.last_activity = now
+
+    def take_waiting(self) -> list[str]:
+        """Hand over every held call (on resume); the program must be ACTIVE by then."""
+        if self.lifecycle is not Lifecycle.ACTIVE:
+            raise IllegalTransition(f"{self.session_id}: waiting calls released while {self.lifecycle.name}")
+        taken, self.waiting = self.waiting, []
+        return taken
+
+    def drop_waiting(self, request_id: str) -> None:
+        """A held call went away (client disconnected) before it ran."""
+        try:
+            self.waiting.remove(request_id)
+        except ValueError:
+            raise IllegalTransition(f"{self.session_id}: call {request_id} is not waiting") from None

