@@ -1,7 +1,8 @@
 """vLLM's KV-cache event wire format as msgspec structs (vLLM 0.32).
 
 A ZMQ frame's payload is one msgpack array ``[ts, events, data_parallel_rank]``; each event
-is a map tagged by its ``"type"`` key. These structs decode what vLLM sends (unknown keys are
+is a map tagged by its ``"type"`` key (the first key on the wire), fields in declaration
+order, optional ones omitted when None. These structs decode what vLLM sends (unknown keys are
 ignored, so newer engines still decode) and encode what the simulator publishes, so both
 shells build the very same objects. ``continuation_id`` on both events and ``num_tokens`` on
 ``BlockRemoved`` are Sluice's own keys, added by the engine plugin; old consumers skip them.
@@ -19,18 +20,20 @@ import msgspec
 BlockHash = Union[int, bytes]
 
 
-class KVEvent(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True, gc=False):
+class KVEvent(msgspec.Struct, tag_field="type", omit_defaults=True, gc=False):
     """Base of every KV-cache event."""
 
 
 class BlockStored(KVEvent, tag="BlockStored"):
+    # vLLM declares these seven without defaults and always writes them (None as nil);
+    # its decoder rejects a map that lacks one, so ours must always send them too.
     block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
     extra_keys: list | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -43,7 +46,7 @@ class BlockStored(KVEvent, tag="BlockStored"):
 
 class BlockRemoved(KVEvent, tag="BlockRemoved"):
     block_hashes: list[BlockHash]
-    medium: str | None = None
+    medium: str | None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
@@ -59,7 +62,8 @@ AnyKVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """``[ts, events, data_parallel_rank]``; the rank is omitted when there is none."""
+    """``[ts, events, data_parallel_rank]``; the rank is nil when there is none (msgspec
+    writes every field of an array-like struct, as vLLM does); a two-element array decodes."""
 
     ts: float
     events: list[AnyKVEvent]

@@ -8,10 +8,14 @@ tokens the sessions counted on a worker share (so shared prefixes are not counte
 Semantics, chosen to match vLLM's block pool:
 - ``BlockStored`` of a hash not yet resident admits it; the request's ``session_id`` (and
   our ``continuation_id``) become its admitter. Storing a hash that is already resident
-  adds one copy (vLLM can hold duplicate blocks under one hash) and records the session as
-  a toucher.
-- ``BlockRemoved`` drops one copy; the block leaves the index when its last copy goes.
-  Removing an unknown hash is counted, not fatal: events may predate the subscription.
+  records the session as a toucher and changes nothing else. With
+  ``kv_cache_report_mode: "full"`` vLLM reports every prefix-cache hit as a ``BlockStored``
+  from block 0 that is indistinguishable from a fresh store, so a re-store cannot be
+  counted as a second copy. The price: when vLLM really holds two copies under one hash
+  (two requests computed the same block at once) and evicts one, the index drops the hash
+  although a copy stays; it under-reports residency until the next store, never over.
+- ``BlockRemoved`` removes the block. Removing an unknown hash is counted, not fatal:
+  events may predate the subscription.
 - ``AllBlocksCleared`` and :meth:`KVIndex.reset_worker` empty a worker.
 """
 
@@ -32,7 +36,7 @@ from scheduler.kv_events import (
 
 class _Block:
     __slots__ = ("parent", "tokens", "prefix_tokens", "admitter", "continuation", "sessions",
-                 "copies", "counted")
+                 "counted")
 
     def __init__(self, parent: BlockHash | None, tokens: int, prefix_tokens: int,
                  admitter: str | None, continuation: str | None) -> None:
@@ -43,7 +47,6 @@ class _Block:
         self.continuation = continuation
         # sessions that stored or touched this block, in first-touch order
         self.sessions: dict[str, None] = {}
-        self.copies = 1
         # how many of ``sessions`` are currently counted on the worker
         self.counted = 0
 
@@ -80,8 +83,6 @@ class WorkerKV:
                 self.blocks[block_hash] = block
                 if event.continuation_id is not None:
                     self.continuation_blocks.setdefault(event.continuation_id, {})[block_hash] = None
-            else:
-                block.copies += 1
             if session is not None:
                 self._touch(block_hash, block, session)
             parent = block_hash
@@ -102,9 +103,6 @@ class WorkerKV:
             block = self.blocks.get(block_hash)
             if block is None:
                 self.unknown_removals += 1
-                continue
-            block.copies -= 1
-            if block.copies > 0:
                 continue
             del self.blocks[block_hash]
             if block.counted >= 2:
@@ -136,13 +134,12 @@ class WorkerKV:
             raise TypeError(f"unknown KV event {type(event).__name__}")
 
     def clear(self) -> None:
-        counted = self.counted
-        events_seen = self.events_seen
-        unknown = self.unknown_removals
-        self.__init__()  # type: ignore[misc]
-        self.counted = counted
-        self.events_seen = events_seen
-        self.unknown_removals = unknown
+        """Drop every block; which sessions are counted is the ledger's and survives."""
+        self.blocks = {}
+        self.session_tokens = {}
+        self.session_blocks = {}
+        self.continuation_blocks = {}
+        self.shared_tokens = 0
 
     # -- counting ----------------------------------------------------------------------
 
@@ -219,9 +216,8 @@ class KVIndex:
     def reset_worker(self, worker: str) -> None:
         """Forget everything about ``worker`` (its engine restarted); counting is kept."""
         kv = self.worker(worker)
-        counted = kv.counted
-        self._workers[worker] = WorkerKV()
-        self._workers[worker].counted = counted
+        kv.clear()
+        kv.events_seen = 0
 
     def has_events(self, worker: str) -> bool:
         kv = self._workers.get(worker)

@@ -4,8 +4,9 @@
 
 ``weight(p)`` is 1 while REASONING and ``acting_token_weight`` while ACTING; ``demand(p)`` is
 the program's context, or what its in-flight calls may grow to. ``shared_w`` counts the
-prefix tokens the active programs on ``w`` share: from the KV index when the worker's events
-flow, else from the programs' continuation chains (a trie of common ancestors).
+prefix tokens the active programs on ``w`` share: the larger of what the KV index shows
+(when the worker's events flow) and what the programs' continuation chains show (a trie
+of common ancestors).
 
 Everything is kept incrementally — a program's contribution is recomputed only when it
 changes — so a tick over thousands of programs does not re-sum them.
@@ -43,6 +44,9 @@ class WorkerLoad:
     weighted_demand: float = 0.0
     ancestry_counts: dict[str, int] = field(default_factory=dict)
     ancestry_shared: int = 0
+    # tokens of each node as first counted: two programs may size one prefix differently
+    # (estimates), and every count change must use one amount or the sum drifts for good
+    ancestry_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def accepts_programs(self) -> bool:
@@ -148,18 +152,24 @@ class Ledger:
         for node, tokens in chain:
             before = counts.get(node, 0)
             after = before + delta
+            tokens = load.ancestry_tokens.setdefault(node, tokens)
             if after:
                 counts[node] = after
             else:
                 del counts[node]
+                del load.ancestry_tokens[node]
             load.ancestry_shared += tokens * (max(0, after - 1) - max(0, before - 1))
 
     # -- utilization ---------------------------------------------------------------------
 
     def shared_tokens(self, name: str) -> int:
+        """Both sources are lower bounds of the true overlap (the index misses sessions that
+        hit a prefix without reporting it; ancestry misses sharing the chains cannot see),
+        so the larger one is the better estimate."""
+        ancestry = self._workers[name].ancestry_shared
         if self._index.has_events(name):
-            return self._index.worker(name).shared_tokens
-        return self._workers[name].ancestry_shared
+            return max(ancestry, self._index.worker(name).shared_tokens)
+        return ancestry
 
     def load_tokens(self, name: str) -> float:
         """The numerator of ``U_w``."""

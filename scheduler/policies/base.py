@@ -133,6 +133,8 @@ class Policy(ABC):
 
     def on_complete(self, request_id: str, usage: Usage, now: float) -> list[Action]:
         call, program = self._finish(request_id, usage, now)
+        if program is None:
+            return []  # its program was released while it ran
         actions: list[Action] = []
         if call.request.final:
             actions.extend(self.release(program.session_id, now, "final"))
@@ -151,10 +153,13 @@ class Policy(ABC):
             program.drop_waiting(request_id)
             return []
         _, program = self._finish(request_id, None, now)
+        if program is None:
+            return []
         return self.after_call(program, now)
 
     def release(self, session_id: SessionId, now: float, reason: str) -> list[Action]:
-        """End a program (final call, idle, or an operator); its held calls are aborted."""
+        """End a program (final call, idle, or an operator); its held calls are aborted.
+        Calls still in flight run out: their completion or abort is accepted and ignored."""
         program = self.programs.pop(session_id, None)
         if program is None:
             return []
@@ -190,11 +195,17 @@ class Policy(ABC):
         self.ledger.refresh(program)
         self.stats.admitted += 1
 
-    def _finish(self, request_id: str, usage: Usage | None, now: float) -> tuple[Call, Program]:
-        call = self.calls.pop(request_id, None)
+    def _finish(self, request_id: str, usage: Usage | None, now: float) -> tuple[Call, Program | None]:
+        """Retire a dispatched call; the program is None when it was released meanwhile
+        (a final call or an operator release while this call still ran)."""
+        call = self.calls.get(request_id)
         if call is None or call.worker is None:
-            raise UnknownCall(request_id)
-        program = self.programs[call.session_id]
+            raise UnknownCall(request_id)  # a held call stays held
+        del self.calls[request_id]
+        program = self.programs.get(call.session_id)
+        if program is None or request_id not in program.in_flight:
+            # Released while it ran; the session may even have started over since.
+            return call, None
         program.end_call(request_id, usage, now)
         self.ledger.refresh(program)
         return call, program

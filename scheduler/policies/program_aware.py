@@ -42,8 +42,8 @@ class ProgramAwarePolicy(Policy):
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(config)
-        # programs PAUSED or PENDING, in the order they were parked
-        self._parked: dict[str, None] = {}
+        # programs PAUSED or PENDING, in the order they were parked -> when they were parked
+        self._parked: dict[str, float] = {}
         self._soft_band: frozenset[str] = frozenset()
         # (deadline, session) heaps, validated lazily when popped
         self._idle_deadlines: list[tuple[float, str]] = []
@@ -60,7 +60,7 @@ class ProgramAwarePolicy(Policy):
             self._unhome(program, now)
         if program.paused:
             return hold(call, "program paused")
-        self._park(program)
+        self._park(program, now)
         if program.waiting:
             return hold(call, "program waiting for room")
         if self._someone_waits(program):
@@ -80,6 +80,18 @@ class ProgramAwarePolicy(Policy):
             return self._pause_program(program, now)
         return []
 
+    def on_abort(self, request_id: str, now: float) -> list[Action]:
+        call = self.calls.get(request_id)
+        actions = super().on_abort(request_id, now)
+        if call is not None and call.worker is None:
+            # A held call went away. If that left its program with nothing to run, it is
+            # idle from its last activity on; without a deadline it would never be released.
+            program = self.programs.get(call.session_id)
+            if program is not None and not program.in_flight and not program.waiting:
+                deadline = program.last_activity + self.config.idle_release_s
+                heapq.heappush(self._idle_deadlines, (deadline, program.session_id))
+        return actions
+
     def release(self, session_id, now, reason):  # type: ignore[override]
         self._parked.pop(session_id, None)
         self._retained_until.pop(session_id, None)
@@ -90,7 +102,7 @@ class ProgramAwarePolicy(Policy):
         was_active = program.active
         actions = super()._unhome(program, now)
         if was_active:
-            self._park(program)
+            self._park(program, now)
         return actions
 
     # -- the tick --------------------------------------------------------------------
@@ -112,8 +124,11 @@ class ProgramAwarePolicy(Policy):
             program = self.programs.get(session)
             if program is None or program.in_flight or program.waiting:
                 continue
-            if now - program.last_activity < self.config.idle_release_s:
-                continue  # active again since; a newer deadline is in the heap
+            if program.last_activity + self.config.idle_release_s > now:
+                # Active again since; a newer deadline is in the heap. (Same arithmetic as
+                # the deadline itself: ``now - last < idle`` can disagree by a rounding
+                # hair, and the dropped deadline would never come back.)
+                continue
             actions += self.release(program.session_id, now, "idle")
         return actions
 
@@ -250,7 +265,7 @@ class ProgramAwarePolicy(Policy):
         assert worker is not None
         program.pause(now)
         self.ledger.refresh(program)
-        self._park(program)
+        self._park(program, now)
         self.stats.pauses += 1
         self._retained_until.pop(program.session_id, None)
         actions: list[Action] = [Pause(program.session_id, worker)]
@@ -311,12 +326,14 @@ class ProgramAwarePolicy(Policy):
     # -- placement helpers -----------------------------------------------------------
 
     def _admit(self, call: Call, worker: str) -> Admit:
-        delay = -self.config.soft_band_penalty if worker in self._soft_band else 0.0
+        # The penalty is documented as a magnitude ("|soft_band_penalty| seconds later"): a
+        # positive value in the YAML must not move soft-band calls ahead of the queue.
+        delay = abs(self.config.soft_band_penalty) if worker in self._soft_band else 0.0
         return Admit(call.request.request_id, call.session_id, worker, call.arrived_at + delay)
 
     def _route_new(self, program: Program, call: Call) -> str | None:
         request = call.request
-        demand = max(program.context_tokens, request.prompt_tokens + self.config.growth_reserve_tokens)
+        demand = max(program.demand_tokens(), request.prompt_tokens + self.config.growth_reserve_tokens)
         threshold = self.config.pause_threshold
         if program.parent_session_id is not None:
             parent = self.programs.get(program.parent_session_id)
@@ -332,7 +349,7 @@ class ProgramAwarePolicy(Policy):
                 continue
             score = self.prefix_credit(load.name, call) - self.ledger.utilization(load.name)
             if load.name in self._soft_band:
-                score += self.config.soft_band_penalty
+                score -= abs(self.config.soft_band_penalty)
             if score > best_score:
                 best, best_score = load.name, score
         return best
@@ -363,10 +380,13 @@ class ProgramAwarePolicy(Policy):
         return best
 
     def _demand_when_resumed(self, program: Program) -> int:
+        # demand_tokens() is the context, or more while calls are still in flight: a program
+        # re-homed because its worker failed mid-call brings those calls' demand along.
+        demand = program.demand_tokens()
         prompts = [self.calls[r].request.prompt_tokens for r in program.waiting]
         if prompts:
-            return max(program.context_tokens, max(prompts) + self.config.growth_reserve_tokens)
-        return program.context_tokens
+            return max(demand, max(prompts) + self.config.growth_reserve_tokens)
+        return demand
 
     def _someone_waits(self, program: Program) -> bool:
         for session in self._parked:
@@ -375,10 +395,12 @@ class ProgramAwarePolicy(Policy):
         return False
 
     def _parked_since(self, program: Program) -> float:
-        return program.paused_since if program.paused_since is not None else program.created_at
+        """When the program last stopped running: force-resume counts from here, not from
+        its creation (a long-lived program re-homed after a failure is not overdue)."""
+        return self._parked.get(program.session_id, program.created_at)
 
-    def _park(self, program: Program) -> None:
-        self._parked[program.session_id] = None
+    def _park(self, program: Program, now: float) -> None:
+        self._parked.setdefault(program.session_id, now)
 
     def _unpark(self, program: Program) -> None:
         self._parked.pop(program.session_id, None)

@@ -40,7 +40,10 @@ class RouterPolicy(Policy):
             if not program.waiting:
                 continue
             worker = self.choose(program, self.calls[program.waiting[0]], workers)
-            program.place(worker, now)
+            if program.pending:
+                program.place(worker, now)
+            # else a later call of the session arrived after the workers came back and
+            # placed the program already; its held calls follow it.
             actions += self._admit_waiting(program, worker, now, resumed=False)
         return actions
 

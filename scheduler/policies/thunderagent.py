@@ -15,8 +15,9 @@ Source: ThunderAgent (arXiv 2602.13692), repository ThunderAgent-org/ThunderAgen
   then new programs, then ACTING, smallest first; take the prefix whose (tokens + 100) fits
   the summed remaining capacity; place it largest first, each on the backend with the most
   remaining capacity; a backend with ≤ 100 tokens left takes nothing;
-- a new program queues if any program is queued; otherwise it goes to the backend with the
-  fewest active tokens among those with room (remaining ≥ tokens + 100);
+- a new program queues if any program is queued (paused, or held with a call waiting);
+  otherwise it goes to the backend with the fewest active tokens among those with room
+  (remaining ≥ tokens + 100);
 - forced resume after 1800 s, to the original backend.
 """
 
@@ -52,8 +53,15 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
         super().__init__(faithful)
 
     def reconfigure(self, config: PolicyConfig) -> None:
-        # The thresholds are the published ones; only the baseline knobs may change.
-        self.config = self.config.model_copy(update={"baselines": config.baselines})
+        # The thresholds are the published ones; only the baseline knobs may change, and
+        # the tick follows ``baselines.thunderagent_tick_s``.
+        if config.name != self.config.name:
+            raise ValueError(f"cannot switch policy from {self.config.name} to {config.name} live")
+        self.config = self.config.model_copy(
+            update={"baselines": config.baselines,
+                    "tick_interval_s": config.baselines.thunderagent_tick_s}
+        )
+        self.ledger.reconfigure(self.config)
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -75,8 +83,8 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
             self._unhome(program, now)
         if program.paused:
             return hold(call, "program paused")
-        self._park(program)
-        if program.waiting or self._someone_waits(program):
+        self._park(program, now)
+        if program.waiting or self._anyone_queued(program):
             return hold(call, "queued")
         demand = call.request.prompt_tokens
         best, best_tokens = None, math.inf
@@ -91,6 +99,15 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
             return hold(call, "no backend has room")
         self._unpark(program)
         return self._admit(call, best)
+
+    def _anyone_queued(self, program: Program) -> bool:
+        """Upstream's ``global_waiting_queue`` holds every paused program, with or without a
+        request waiting, and every held new one; a new program queues if it is not empty."""
+        for session in self._parked:
+            other = self.programs[session]
+            if session != program.session_id and (other.paused or other.waiting):
+                return True
+        return False
 
     # -- pause -----------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+# Sluice — every target sets itself up from nothing (DESIGN.md §1).
+#
+#   make demo    run the scripted two-policy demo
+#   make test    run the test suite
+#   make bench   print BENCH <name> <value> <unit> lines (progress goes to stderr)
+#   make clean   remove caches and build outputs (keeps .venv); `make distclean` also drops .venv
+
+PYTHON ?= python3
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+EXTRAS := live,plots,dev
+# Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
+STAMP  := $(VENV)/.sluice-installed
+
+.PHONY: venv test demo bench clean distclean
+
+venv: $(STAMP)
+
+# Set-up output goes to stderr, so `make bench` keeps stdout for BENCH lines even on a
+# first run.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Sluice needs Python >= 3.11; set PYTHON=python3.11 (found " + sys.version.split()[0] + ")")'
+	@test -x $(VPY) || { echo "creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV) >&2; }
+	@echo "installing Sluice into $(VENV) (editable, extras $(EXTRAS))" >&2
+	@$(VPY) -m pip install -e '.[$(EXTRAS)]' >&2
+	@touch $@
+
+test: venv
+	$(VPY) -m pytest -q tests
+
+demo: venv
+	$(VENV)/bin/sluice demo
+
+bench: venv
+	@$(VPY) -m bench
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -path ./.venv-vllm -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,48 @@
+"""``python -m bench``: run the benchmarks; stdout carries only ``BENCH <name> <value> <unit>``.
+
+Targets (for the reader; nothing here enforces them): tick p50/p99 ≤ 5 ms with 64 workers
+and 10,000 programs; KV ingest ≥ 300,000 hashes/s on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+from bench import common, kv_ingest, tick
+from bench.common import progress
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("tick", "kv"), action="append",
+                        help="run only this benchmark (repeatable); default: all")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller sizes for a smoke run; its lines are named *_quick")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the timed ticks and print the top functions to stderr")
+    parser.add_argument("--ticks", type=int, default=200, help="timed ticks (default 200)")
+    args = parser.parse_args(argv)
+    which = args.only or ["kv", "tick"]
+    progress(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs, "
+             f"load average {os.getloadavg()[0]:.2f} (other load on the machine skews timings)")
+    if args.quick:
+        common.NAME_SUFFIX = "_quick"
+    if "kv" in which:
+        if args.quick:
+            kv_ingest.run(batches=4_000, pool_blocks=10_000, repeats=1)
+        else:
+            kv_ingest.run(batches=20_000, repeats=5)
+    if "tick" in which:
+        if args.quick:
+            tick.run(workers=8, programs=800, ticks=min(args.ticks, 50), profile=args.profile)
+        else:
+            tick.run(ticks=args.ticks, profile=args.profile)
+    progress(f"done (load average {os.getloadavg()[0]:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

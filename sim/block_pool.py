@@ -1,0 +1,313 @@
+"""A block pool with vLLM's prefix-caching semantics (vLLM 0.32 ``v1/core/block_pool.py``).
+
+What is kept exactly, because hit rates and events depend on it:
+- block 0 is the null block and is never handed out; free blocks start in id order;
+- a freed block with a hash goes to the *tail* of the free queue (evicted last, LRU); one
+  without a hash goes to the *head* (reused first); callers free a request's blocks in
+  reverse so its chain tail is evicted before its head;
+- eviction is lazy: a cached block keeps its hash while free, and loses it (emitting one
+  ``BlockRemoved`` per hash) only when it is handed out again;
+- duplicates are not de-duplicated: two blocks may be cached under one hash, and each
+  caching emits its own ``BlockStored``; a lookup returns the first one cached;
+- ``cache_full_blocks`` emits one ``BlockStored`` for the newly full range, with the parent
+  hash of the block before it (None from block 0) and the request's session id;
+  ``extra_keys`` is one ``None`` per block, as vLLM sends for requests without LoRA,
+  multimodal inputs or cache salt (``emit_cached_block_events`` likewise);
+- ``reset_prefix_cache`` only works when nothing is in use, and emits ``AllBlocksCleared``.
+
+Sluice adds the retention bias of DESIGN.md §5 (the engine plugin's semantics): a free
+block sits in the queue of its eviction class; allocation takes from the lowest class
+first, LRU inside a class. Without directives every block is in the normal class and the
+pool is vLLM's. Retained sessions' blocks wait in a higher class until the TTL runs out;
+demoted or expired ones go to class 0, ahead of normal blocks. A bias, never a pin: when
+only retained blocks are free, they are evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from scheduler.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+
+NORMAL_CLASS = 50
+LOW_CLASS = 0
+MEDIUM_GPU = "GPU"
+
+
+class PoolExhausted(RuntimeError):
+    """More blocks were asked for than are free."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 enable_events: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be ≥ 2 (block 0 is the null block), got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # hash -> block id, or {block id: None} when duplicates exist (first one wins lookups)
+        self._cached: dict[BlockHash, int | dict[int, None]] = {}
+        # eviction class -> free blocks in LRU order (front evicted first)
+        self._free: dict[int, OrderedDict[int, None]] = {
+            NORMAL_CLASS: OrderedDict((i, None) for i in range(1, num_blocks))
+        }
+        self._free_count = num_blocks - 1
+        self._block_class: list[int] = [NORMAL_CLASS] * num_blocks
+        self._events: list[KVEvent] = []
+        # retention: session -> (class, expires_at); session -> block ids it last freed
+        self._session_class: dict[str, tuple[int, float]] = {}
+        self._session_blocks: dict[str, dict[int, None]] = {}
+        self._block_session: list[str | None] = [None] * num_blocks
+        self._expiries: list[tuple[float, str]] = []
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self._free_count
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks in use (vLLM's ``kv_cache_usage_perc``, free cached blocks excluded)."""
+        return 1.0 - self._free_count / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        entry = self._cached.get(block_hash)
+        if entry is None:
+            return None
+        if isinstance(entry, int):
+            return entry
+        return next(iter(entry))
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes`` (at most ``max_blocks``)."""
+        if not self.enable_caching:
+            return []
+        limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
+        hit: list[int] = []
+        cached = self._cached
+        for i in range(limit):
+            entry = cached.get(hashes[i])
+            if entry is None:
+                break
+            hit.append(entry if isinstance(entry, int) else next(iter(entry)))
+        return hit
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    def free_queue_order(self) -> list[int]:
+        """Free block ids in the order they would be handed out (vLLM's free queue, head first)."""
+        return [block_id for cls in sorted(self._free) for block_id in self._free[cls]]
+
+    # -- allocation ------------------------------------------------------------------
+
+    def get_new_blocks(self, n: int, now: float = 0.0) -> list[int]:
+        """Pop ``n`` free blocks, evicting (and reporting) any cached hash they still carry."""
+        if n > self._free_count:
+            raise PoolExhausted(f"cannot get {n} free blocks, {self._free_count} free")
+        if n <= 0:
+            return []
+        self._expire(now)
+        taken: list[int] = []
+        for cls in sorted(self._free):
+            queue = self._free[cls]
+            while queue and len(taken) < n:
+                block_id, _ = queue.popitem(last=False)
+                taken.append(block_id)
+            if len(taken) == n:
+                break
+        self._free_count -= n
+        for block_id in taken:
+            if self.enable_caching and self.block_hash[block_id] is not None:
+                self._evict(block_id)
+            self._forget_owner(block_id)
+            self.ref_cnt[block_id] = 1
+        return taken
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        self.block_hash[block_id] = None
+        entry = self._cached.get(block_hash)
+        if isinstance(entry, int):
+            if entry == block_id:
+                del self._cached[block_hash]
+        elif entry is not None:
+            entry.pop(block_id, None)
+            if len(entry) == 1:
+                self._cached[block_hash] = next(iter(entry))
+            elif not entry:
+                del self._cached[block_hash]
+        if self.enable_events:
+            self._events.append(BlockRemoved([block_hash], MEDIUM_GPU, group_idx=0))
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """A prefix hit: take the blocks out of the free queue if they were free."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0 and block_id != 0:
+                del self._free[self._block_class[block_id]][block_id]
+                self._free_count -= 1
+            self.ref_cnt[block_id] += 1
+
+    def free_blocks(self, ordered_ids: Iterable[int], session_id: str | None = None) -> None:
+        """Drop one reference from each block, in eviction order (callers pass a request's
+        blocks reversed, as vLLM does). ``session_id`` names the request's session for the
+        retention classes."""
+        unhashed: list[int] = []
+        for block_id in ordered_ids:
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if self.ref_cnt[block_id] > 0 or block_id == 0:
+                continue
+            self._free_count += 1
+            if not self.enable_caching or self.block_hash[block_id] is None:
+                unhashed.append(block_id)
+                self._block_class[block_id] = NORMAL_CLASS
+                continue
+            cls = NORMAL_CLASS
+            if session_id is not None:
+                self._set_owner(block_id, session_id)
+                cls = self._class_of(session_id)
+            self._block_class[block_id] = cls
+            self._free.setdefault(cls, OrderedDict())[block_id] = None
+        # vLLM prepends blocks without a hash, keeping their given order at the front.
+        normal = self._free[NORMAL_CLASS]
+        for block_id in reversed(unhashed):
+            normal[block_id] = None
+            normal.move_to_end(block_id, last=False)
+
+    # -- caching ---------------------------------------------------------------------
+
+    def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[BlockHash],
+                          num_cached: int, num_full: int, *, session_id: str | None = None,
+                          continuation_id: str | None = None,
+                          token_ids: Sequence[int] | None = None) -> None:
+        """Register ``block_ids[num_cached:num_full]`` under ``hashes[num_cached:num_full]``.
+
+        ``token_ids`` are the tokens of that range when the caller has them (the simulator
+        has none, and sends an empty list as a stand-in; every block then counts
+        ``block_size`` tokens downstream).
+        """
+        if not self.enable_caching or num_cached >= num_full:
+            return
+        new_hashes: list[BlockHash] = []
+        for i in range(num_cached, num_full):
+            block_id = block_ids[i]
+            if block_id == 0:
+                continue
+            block_hash = hashes[i]
+            if self.block_hash[block_id] is not None:
+                raise RuntimeError(f"block {block_id} is already cached")
+            self.block_hash[block_id] = block_hash
+            entry = self._cached.get(block_hash)
+            if entry is None:
+                self._cached[block_hash] = block_id
+            elif isinstance(entry, int):
+                self._cached[block_hash] = {entry: None, block_id: None}
+            else:
+                entry[block_id] = None
+            new_hashes.append(block_hash)
+        if self.enable_events:
+            parent = hashes[num_cached - 1] if num_cached > 0 else None
+            self._events.append(
+                BlockStored(new_hashes, parent, list(token_ids or ()), self.block_size, None,
+                            MEDIUM_GPU, None, extra_keys=[None] * len(new_hashes) or None,
+                            group_idx=0, session_id=session_id, continuation_id=continuation_id)
+            )
+
+    def emit_cached_block_events(self, hashes: Sequence[BlockHash], num_hit: int, *,
+                                 session_id: str | None, continuation_id: str | None = None,
+                                 token_ids: Sequence[int] | None = None) -> None:
+        """``kv_cache_report_mode: "full"``: report a prefix hit as a store from block 0.
+
+        ``token_ids`` are the hit blocks' tokens (the request's first ``num_hit`` blocks),
+        as vLLM sends them, when the caller has them; as in ``cache_full_blocks`` an empty
+        list stands in otherwise.
+        """
+        if self.enable_events and num_hit > 0:
+            self._events.append(
+                BlockStored(list(hashes[:num_hit]), None, list(token_ids or ()), self.block_size,
+                            None, MEDIUM_GPU, None, extra_keys=[None] * num_hit, group_idx=0,
+                            session_id=session_id, continuation_id=continuation_id)
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        if self._free_count != self.num_blocks - 1:
+            return False
+        self._cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- retention bias --------------------------------------------------------------
+
+    def retain(self, session_id: str, priority: int, ttl_s: float, now: float) -> None:
+        """Bias eviction against the session's free blocks until ``now + ttl_s``."""
+        cls = max(LOW_CLASS + 1, min(100, int(priority)))
+        expires = now + ttl_s
+        self._session_class[session_id] = (cls, expires)
+        heapq.heappush(self._expiries, (expires, session_id))
+        self._reclass(session_id, cls)
+
+    def demote(self, session_id: str) -> None:
+        self._session_class[session_id] = (LOW_CLASS, float("inf"))
+        self._reclass(session_id, LOW_CLASS)
+
+    def release(self, session_id: str) -> None:
+        """Forget the session's bias; its free blocks go back to the normal class."""
+        self._session_class.pop(session_id, None)
+        self._reclass(session_id, NORMAL_CLASS)
+
+    def _class_of(self, session_id: str) -> int:
+        entry = self._session_class.get(session_id)
+        return NORMAL_CLASS if entry is None else entry[0]
+
+    def _expire(self, now: float) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expires, session_id = heapq.heappop(heap)
+            entry = self._session_class.get(session_id)
+            if entry is not None and entry[1] == expires:
+                self._session_class[session_id] = (LOW_CLASS, float("inf"))
+                self._reclass(session_id, LOW_CLASS)
+
+    def _reclass(self, session_id: str, cls: int) -> None:
+        """Move the session's free blocks to ``cls``, keeping their relative LRU order."""
+        for block_id in self._session_blocks.get(session_id, ()):
+            if self.ref_cnt[block_id] != 0 or self._block_class[block_id] == cls:
+                continue
+            del self._free[self._block_class[block_id]][block_id]
+            self._block_class[block_id] = cls
+            self._free.setdefault(cls, OrderedDict())[block_id] = None
+
+    def _set_owner(self, block_id: int, session_id: str) -> None:
+        previous = self._block_session[block_id]
+        if previous == session_id:
+            return
+        if previous is not None:
+            self._session_blocks[previous].pop(block_id, None)
+        self._block_session[block_id] = session_id
+        self._session_blocks.setdefault(session_id, {})[block_id] = None
+
+    def _forget_owner(self, block_id: int) -> None:
+        previous = self._block_session[block_id]
+        if previous is not None:
+            owned = self._session_blocks[previous]
+            owned.pop(block_id, None)
+            if not owned:
+                del self._session_blocks[previous]
+            self._block_session[block_id] = None

@@ -1,0 +1,379 @@
+"""One simulated vLLM engine: continuous batching over a :class:`BlockPool`.
+
+It follows vLLM v1's scheduler where it matters for caching and throughput:
+- every iteration first serves running requests in order (a decode is one token; a
+  request mid-prefill gets the next chunk), then admits waiting ones in priority order
+  while the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and free blocks
+  allow; long prompts are prefilled in chunks (chunked prefill);
+- an admitted request reuses its longest cached prefix (capped one token short of the
+  sequence, as vLLM does), touching those blocks, and allocates the rest;
+- when a running request needs a block and none is free, the lowest-priority running
+  request is preempted by recompute (its blocks freed, back to the waiting queue), and
+  no waiting request is admitted in that iteration;
+- blocks become cached as soon as the tokens that fill them are scheduled;
+- a token is sampled when a request's computed tokens reach the end of its sequence;
+  a finished request frees its blocks in reverse order.
+
+Speed: an iteration is computed one at a time only when the batch composition can change.
+While every running request is decoding and nothing waiting can be admitted, the next
+``k`` iterations are identical but for growing contexts, so they are taken as one *decode
+run* whose duration has a closed form; blocks are allocated when the run ends (no block is
+freed during it, so the same blocks are evicted in the same order). An arrival truncates
+the run at the first iteration boundary after it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.kv_events import BlockHash
+from sim.block_pool import BlockPool
+from sim.step_time import StepTimeModel
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    """One call as the engine sees it. ``hashes`` are the full-block hashes of the whole
+    sequence the call will have (prompt then output), so the blocks its output fills are
+    cached under the hashes the program's next prompt will look up."""
+
+    request_id: str
+    session_id: str | None
+    hashes: Sequence[BlockHash]
+    prompt_tokens: int
+    output_tokens: int
+    priority: float
+    arrival: float
+    continuation_id: str | None = None
+    # prompt tokens this session had computed before (to count re-prefill)
+    known_prefix_tokens: int = 0
+    num_computed: int = 0
+    num_output: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    cached_tokens: int = -1
+    reprefill_tokens: int = 0
+    first_scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    order: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_tokens + self.num_output
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+
+@dataclass(slots=True)
+class _DecodeRun:
+    requests: list[EngineRequest]
+    start: float
+    steps: int
+    context_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    decode_runs: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    reprefill_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    busy_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, name: str, model: StepTimeModel, *, num_blocks: int | None = None,
+                 block_size: int | None = None, report_reuse: bool = False,
+                 enable_events: bool = True) -> None:
+        self.name = name
+        self.model = model
+        self.block_size = block_size or model.block_size
+        if num_blocks is None:
+            num_blocks = model.kv_capacity_tokens // self.block_size + 1
+        self.pool = BlockPool(num_blocks, self.block_size, enable_events=enable_events)
+        self.report_reuse = report_reuse
+        self.max_num_seqs = model.max_num_seqs
+        self.max_num_batched_tokens = model.max_num_batched_tokens
+        self.waiting: list[tuple[float, int, EngineRequest]] = []
+        self.running: list[EngineRequest] = []
+        self.stats = EngineStats()
+        self.busy_until: float | None = None
+        self._step: list[tuple[EngineRequest, int]] | None = None
+        self._step_start = 0.0
+        self._run: _DecodeRun | None = None
+        self._order = 0
+        self.finished: list[EngineRequest] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.pool.num_blocks - 1) * self.block_size
+
+    @property
+    def idle(self) -> bool:
+        return self.busy_until is None
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- arrivals ---------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest, now: float) -> None:
+        """Queue a call; if a decode run is under way, cut it at the next step boundary."""
+        need = request.prompt_tokens + request.output_tokens
+        if need > self.capacity_tokens:
+            raise ValueError(
+                f"{self.name}: request {request.request_id} needs {need} tokens of KV, "
+                f"more than the whole pool ({self.capacity_tokens})"
+            )
+        self._order += 1
+        request.order = self._order
+        heapq.heappush(self.waiting, (request.priority, request.order, request))
+        if self._run is not None:
+            self._truncate_run(now)
+
+    def _truncate_run(self, now: float) -> None:
+        run = self._run
+        assert run is not None
+        seqs = len(run.requests)
+        steps = self.model.decode_steps_within(seqs, run.context_tokens, now - run.start)
+        if steps < run.steps:
+            run.steps = steps
+            self.busy_until = run.start + self.model.decode_run_s(seqs, run.context_tokens, steps)
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def start(self, now: float) -> float | None:
+        """Begin the next iteration (or decode run) at ``now``; returns when it ends."""
+        if self.busy_until is not None:
+            raise RuntimeError(f"{self.name}: start() while busy until {self.busy_until}")
+        if not self.running and not self.waiting:
+            return None
+        run_steps = self._decode_run_length()
+        if run_steps >= 2:
+            context = sum(r.num_computed + 1 for r in self.running)
+            self._run = _DecodeRun(list(self.running), now, run_steps, context)
+            self.busy_until = now + self.model.decode_run_s(len(self.running), context, run_steps)
+            self.stats.decode_runs += 1
+            return self.busy_until
+        scheduled = self._schedule(now)
+        if not scheduled:
+            return None
+        prefill = 0
+        context = 0
+        for request, n in scheduled:
+            context += request.num_computed + n
+            if n > 1 or request.num_computed + n < request.seq_len:
+                prefill += n
+        self._step = scheduled
+        self._step_start = now
+        self.busy_until = now + self.model.step_s(prefill, len(scheduled), context)
+        return self.busy_until
+
+    def complete(self) -> list[EngineRequest]:
+        """Finish the iteration or run in progress; returns the requests that finished."""
+        end = self.busy_until
+        if end is None:
+            raise RuntimeError(f"{self.name}: complete() while idle")
+        done: list[EngineRequest] = []
+        if self._run is not None:
+            done = self._complete_run(self._run, end)
+            self._run = None
+        else:
+            assert self._step is not None
+            self.stats.steps += 1
+            self.stats.busy_s += end - self._step_start
+            for request, n in self._step:
+                request.num_computed += n
+                if request.num_computed >= request.seq_len:
+                    self._sample(request, end, 1, done)
+            self._step = None
+        self.busy_until = None
+        for request in done:
+            self._finish(request, end)
+        return done
+
+    def _complete_run(self, run: _DecodeRun, end: float) -> list[EngineRequest]:
+        steps = run.steps
+        self.stats.steps += steps
+        self.stats.busy_s += end - run.start
+        bs = self.block_size
+        done: list[EngineRequest] = []
+        for request in run.requests:
+            computed = request.num_computed + steps
+            need = -(-computed // bs) - len(request.block_ids)
+            if need > 0:
+                request.block_ids.extend(self.pool.get_new_blocks(need, end))
+            request.num_computed = computed
+            self._cache(request, computed)
+            self._sample(request, end, steps, done)
+        return done
+
+    def _sample(self, request: EngineRequest, now: float, tokens: int, done: list[EngineRequest]) -> None:
+        if request.num_output == 0:
+            request.first_token_at = now
+        request.num_output += tokens
+        self.stats.output_tokens += tokens
+        if request.num_output >= request.output_tokens:
+            done.append(request)
+
+    def _finish(self, request: EngineRequest, now: float) -> None:
+        request.finished_at = now
+        self.running.remove(request)
+        self.pool.free_blocks(reversed(request.block_ids), request.session_id)
+        request.block_ids = []
+        self.stats.finished += 1
+        self.finished.append(request)
+
+    def _decode_run_length(self) -> int:
+        """How many identical pure-decode iterations can run from here (0 if not a run)."""
+        running = self.running
+        if not running:
+            return 0
+        for request in running:
+            if request.seq_len - request.num_computed != 1:
+                return 0
+        if len(running) > self.max_num_batched_tokens:
+            return 0
+        if self.waiting and self._could_admit_head():
+            return 0
+        steps = min(r.output_tokens - r.num_output for r in running)
+        if steps < 2:
+            return 0
+        free = self.pool.num_free
+        if self._blocks_for(steps) <= free:
+            return steps
+        lo, hi = 0, steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._blocks_for(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _blocks_for(self, steps: int) -> int:
+        bs = self.block_size
+        return sum(
+            max(0, -(-(r.num_computed + steps) // bs) - len(r.block_ids)) for r in self.running
+        )
+
+    def _could_admit_head(self) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        if self.max_num_batched_tokens - len(self.running) <= 0:
+            return False
+        request = self.waiting[0][2]
+        new_blocks, free_hits, _ = self._admission_cost(request, self.max_num_batched_tokens - len(self.running))
+        return new_blocks + free_hits <= self.pool.num_free
+
+    def _admission_cost(self, request: EngineRequest, budget: int) -> tuple[int, int, list[int]]:
+        bs = self.block_size
+        seq_len = request.seq_len
+        hit = self.pool.longest_hit(request.hashes, (seq_len - 1) // bs)
+        hit_tokens = len(hit) * bs
+        n = min(seq_len - hit_tokens, budget)
+        new_blocks = -(-(hit_tokens + n) // bs) - len(hit)
+        ref = self.pool.ref_cnt
+        free_hits = sum(1 for b in hit if ref[b] == 0)
+        return new_blocks, free_hits, hit
+
+    def _schedule(self, now: float) -> list[tuple[EngineRequest, int]]:
+        pool = self.pool
+        bs = self.block_size
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.seq_len - request.num_computed, budget)
+            need = -(-(request.num_computed + n) // bs) - len(request.block_ids)
+            while need > pool.num_free:
+                victim = max(self.running, key=lambda r: (r.priority, r.order))
+                victim_index = self.running.index(victim)
+                for k, (done, tokens) in enumerate(scheduled):
+                    if done is victim:
+                        del scheduled[k]
+                        budget += tokens
+                        break
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+            if preempted and request not in self.running:
+                break  # the request itself was preempted: nothing more runs this step
+            if need > 0:
+                request.block_ids.extend(pool.get_new_blocks(need, now))
+            self._cache(request, request.num_computed + n)
+            scheduled.append((request, n))
+            budget -= n
+            index += 1
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0][2]
+            new_blocks, free_hits, hit = self._admission_cost(request, budget)
+            if new_blocks + free_hits > pool.num_free:
+                break
+            heapq.heappop(self.waiting)
+            hit_tokens = len(hit) * bs
+            pool.touch(hit)
+            if self.report_reuse and hit:
+                pool.emit_cached_block_events(request.hashes, len(hit), session_id=request.session_id,
+                                              continuation_id=request.continuation_id)
+            request.block_ids = hit + pool.get_new_blocks(new_blocks, now)
+            request.num_cached_blocks = len(hit)
+            request.num_computed = hit_tokens
+            n = min(request.seq_len - hit_tokens, budget)
+            self._account_admission(request, hit_tokens, now)
+            self._cache(request, hit_tokens + n)
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+        return scheduled
+
+    def _account_admission(self, request: EngineRequest, hit_tokens: int, now: float) -> None:
+        """Hit rate counts the first admission; re-prefill counts every recomputed token
+        that this session had computed before (evicted prefix, or lost to preemption)."""
+        to_compute = request.seq_len - hit_tokens
+        known = max(request.known_prefix_tokens, request.seq_len if request.preemptions else 0)
+        reprefill = max(0, min(known, request.seq_len) - hit_tokens)
+        request.reprefill_tokens += reprefill
+        self.stats.reprefill_tokens += reprefill
+        self.stats.computed_prefill_tokens += to_compute
+        if request.first_scheduled_at is None:
+            request.first_scheduled_at = now
+            request.cached_tokens = hit_tokens
+            self.stats.prompt_tokens += request.prompt_tokens
+            self.stats.cached_tokens += min(hit_tokens, request.prompt_tokens)
+
+    def _cache(self, request: EngineRequest, computed_after: int) -> None:
+        num_full = min(computed_after // self.block_size, len(request.hashes), request.seq_len // self.block_size)
+        if num_full > request.num_cached_blocks:
+            self.pool.cache_full_blocks(request.block_ids, request.hashes, request.num_cached_blocks,
+                                        num_full, session_id=request.session_id,
+                                        continuation_id=request.continuation_id)
+            request.num_cached_blocks = num_full
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self.pool.free_blocks(reversed(request.block_ids), request.session_id)
+        request.block_ids = []
+        request.num_computed = 0
+        request.num_cached_blocks = 0
+        request.preemptions += 1
+        self.stats.preemptions += 1
+        heapq.heappush(self.waiting, (request.priority, request.order, request))

@@ -1,0 +1,97 @@
+"""Reports of simulation runs: the table printed by ``sluice sim|replay|sweep`` and the JSON
+schema ``{"results": [...], "config": {...}}`` of ``--json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from sim.simulation import SimResult
+
+COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("output_tokens_per_s", "out tok/s", "{:.0f}"),
+    ("steps_per_min", "steps/min", "{:.1f}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("reprefill_tokens", "re-prefill tok", "{:,}"),
+    ("p50_call_s", "p50 call s", "{:.2f}"),
+    ("p99_call_s", "p99 call s", "{:.2f}"),
+    ("pauses", "pauses", "{}"),
+    ("resumes", "resumes", "{}"),
+)
+
+
+def _cell(fmt: str, value: Any) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return fmt.format(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> str:
+    """A fixed-width text table of report rows (``SimResult.summary()`` dicts)."""
+    columns = [(key, key, "{}") for key in extra] + list(COLUMNS)
+    cells = [[title for _, title, _ in columns]]
+    for row in rows:
+        cells.append([_cell(fmt, row[key]) for key, _, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = []
+    for n, line in enumerate(cells):
+        lines.append("  ".join(
+            text.ljust(width) if i == 0 and not extra else text.rjust(width)
+            for i, (text, width) in enumerate(zip(line, widths))
+        ))
+        if n == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def format_markdown(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> str:
+    columns = [(key, key, "{}") for key in extra] + list(COLUMNS)
+    out = ["| " + " | ".join(title for _, title, _ in columns) + " |",
+           "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
+    for row in rows:
+        out.append("| " + " | ".join(_cell(fmt, row[key]) for key, _, fmt in columns) + " |")
+    return "\n".join(out)
+
+
+def write_json(path: Path, results: Sequence[SimResult], config: dict[str, Any],
+               extra_rows: Sequence[dict[str, Any]] | None = None) -> None:
+    rows = list(extra_rows) if extra_rows is not None else [r.summary() for r in results]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: float, stream: TextIO | None = None, width: int = 30) -> None:
+        self.label = label
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.width = width
+        self._tty = self.stream.isatty()
+        self._last_tenth = -1
+
+    def __call__(self, done: float) -> None:
+        fraction = min(1.0, done / self.total) if self.total else 1.0
+        if self._tty:
+            filled = int(fraction * self.width)
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {fraction:5.1%}")
+            self.stream.flush()
+        else:
+            tenth = int(fraction * 10)
+            if tenth != self._last_tenth:
+                self._last_tenth = tenth
+                self.stream.write(f"{self.label}: {fraction:.0%}\n")
+                self.stream.flush()
+
+    def close(self) -> None:
+        if self._tty:
+            self(self.total)
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,414 @@
+"""The offline shell: a fleet of simulated engines driven by the *same* policy objects the
+gateway runs, in virtual time (DESIGN.md §1, §5 "sim/").
+
+The driver only feeds the policy observations (arrivals, completions with usage, KV event
+batches from the engines, ticks) and carries out its decisions: an ``Admit`` queues the
+call on that engine with the admission's priority, a ``Hold`` keeps it until a later
+``Admit``, and ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order. It
+never decides anything itself.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.actions import Action, Admit, Demote, Release, Retain
+from scheduler.calls import CallRequest, Usage
+from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
+from scheduler.kv_events import EventBatch
+from scheduler.policies.base import Policy
+from sim.engine import Engine, EngineRequest
+from sim.programs import ProgramSpec
+from sim.step_time import StepTimeModel
+
+_ENGINE, _CALL, _TICK, _START = 0, 1, 2, 3
+
+
+class ProgramFeed:
+    """Decides which programs start when: closed loop, open loop or batches with barriers."""
+
+    def initial(self) -> list[ProgramSpec]:
+        raise NotImplementedError
+
+    def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
+        return []
+
+
+class ClosedLoop(ProgramFeed):
+    """Keep ``concurrency`` programs alive: a new one starts as soon as one ends. The first
+    ones start spread over ``ramp_s`` so they do not all send their first call at once."""
+
+    def __init__(self, make_program: Callable[[int], ProgramSpec], concurrency: int,
+                 ramp_s: float = 30.0) -> None:
+        if concurrency <= 0:
+            raise ValueError(f"concurrency must be > 0, got {concurrency}")
+        self._make = make_program
+        self._concurrency = concurrency
+        self._ramp_s = ramp_s
+        self._next = 0
+
+    def _new(self, start_at: float) -> ProgramSpec:
+        spec = self._make(self._next)
+        self._next += 1
+        spec.start_at = start_at
+        return spec
+
+    def initial(self) -> list[ProgramSpec]:
+        n = self._concurrency
+        return [self._new(self._ramp_s * i / n) for i in range(n)]
+
+    def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
+        return [self._new(now)]
+
+
+class OpenLoop(ProgramFeed):
+    """Play a fixed set of programs (a trace) at their own start times."""
+
+    def __init__(self, programs: Iterable[ProgramSpec]) -> None:
+        self._programs = list(programs)
+
+    def initial(self) -> list[ProgramSpec]:
+        return self._programs
+
+
+class Batches(ProgramFeed):
+    """RL rollouts: batch ``b+1`` starts when every program of batch ``b`` has ended."""
+
+    def __init__(self, make_batch: Callable[[int], list[ProgramSpec]]) -> None:
+        self._make_batch = make_batch
+        self._batch = 0
+        self._left = 0
+
+    def _start_batch(self, now: float) -> list[ProgramSpec]:
+        programs = self._make_batch(self._batch)
+        self._batch += 1
+        self._left = len(programs)
+        for spec in programs:
+            spec.start_at = now
+        return programs
+
+    def initial(self) -> list[ProgramSpec]:
+        return self._start_batch(0.0)
+
+    def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
+        self._left -= 1
+        return self._start_batch(now) if self._left == 0 else []
+
+
+@dataclass(slots=True)
+class _Running:
+    spec: ProgramSpec
+    next_call: int = 0
+    started_at: float = 0.0
+    previous_sequence_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Call:
+    program: _Running
+    index: int
+    request: CallRequest
+    engine_request: EngineRequest
+    arrived_at: float
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    duration_s: float
+    output_tokens: int
+    calls_completed: int
+    prompt_tokens: int
+    cached_tokens: int
+    reprefill_tokens: int
+    preemptions: int
+    call_latencies_s: list[float]
+    programs_completed: int
+    program_times_s: list[float]
+    pauses: int
+    resumes: int
+    marks: int
+    forced_resumes: int
+    utilization: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    @property
+    def steps_per_min(self) -> float:
+        return self.calls_completed / (self.duration_s / 60.0)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def latency_quantile(self, q: float) -> float:
+        if not self.call_latencies_s:
+            return float("nan")
+        return float(np.quantile(np.asarray(self.call_latencies_s), q))
+
+    def summary(self) -> dict[str, float | int | str]:
+        """The row of the report schema (``sluice sim --json``)."""
+        return {
+            "policy": self.policy,
+            "output_tokens_per_s": round(self.output_tokens_per_s, 2),
+            "steps_per_min": round(self.steps_per_min, 2),
+            "hit_rate": round(self.hit_rate, 4),
+            "reprefill_tokens": self.reprefill_tokens,
+            "p50_call_s": round(self.latency_quantile(0.5), 3),
+            "p99_call_s": round(self.latency_quantile(0.99), 3),
+            "pauses": self.pauses,
+            "resumes": self.resumes,
+        }
+
+
+class Simulation:
+    def __init__(self, policy: Policy, feed: ProgramFeed, *, workers: int, model: StepTimeModel,
+                 duration_s: float, block_size: int | None = None,
+                 num_blocks: int | None = None, report_reuse: bool = False,
+                 apply_retention: bool = True,
+                 progress: Callable[[float], None] | None = None,
+                 sample_every_s: float = 10.0, stop_when_done: bool = False) -> None:
+        if workers <= 0:
+            raise ValueError(f"workers must be > 0, got {workers}")
+        if duration_s <= 0:
+            raise ValueError(f"duration must be > 0 s, got {duration_s}")
+        self.policy = policy
+        self.feed = feed
+        self.duration_s = duration_s
+        self.engines = [
+            Engine(f"w{i}", model, num_blocks=num_blocks, block_size=block_size,
+                   report_reuse=report_reuse)
+            for i in range(workers)
+        ]
+        self._by_name = {engine.name: engine for engine in self.engines}
+        for engine in self.engines:
+            policy.add_worker(engine.name, engine.capacity_tokens)
+        self.block_size = self.engines[0].block_size
+        self.apply_retention = apply_retention
+        self._progress = progress
+        self._sample_every_s = sample_every_s
+        self._heap: list[tuple[float, int, int, object, int]] = []
+        self._seq = itertools.count()
+        self._versions = [0] * workers
+        self._engine_index = {engine.name: i for i, engine in enumerate(self.engines)}
+        self._calls: dict[str, _Call] = {}
+        self._now = 0.0
+        self._latencies: list[float] = []
+        self._program_times: list[float] = []
+        self._calls_completed = 0
+        self._programs_completed = 0
+        self._utilization: dict[str, list[tuple[float, float]]] = {e.name: [] for e in self.engines}
+        self._next_sample = 0.0
+        # open-loop replays end when every program has ended, not at ``duration_s``
+        self._stop_when_done = stop_when_done
+        self._programs_live = 0
+
+    # -- the event loop --------------------------------------------------------------
+
+    def _push(self, at: float, kind: int, payload: object, version: int = 0) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, payload, version))
+
+    def run(self) -> SimResult:
+        for spec in self.feed.initial():
+            self._push(spec.start_at, _START, spec)
+            self._programs_live += 1
+        self._push(0.0, _TICK, None)
+        heap = self._heap
+        end = self.duration_s
+        next_report = 0.0
+        while heap:
+            at, _, kind, payload, version = heapq.heappop(heap)
+            if at > end:
+                break
+            if self._stop_when_done and self._programs_live == 0 and kind == _TICK and not self._has_pending():
+                break
+            self._now = at
+            if kind == _ENGINE:
+                index = payload  # type: ignore[assignment]
+                if version != self._versions[index]:
+                    continue
+                self._on_engine_done(index, at)
+            elif kind == _CALL:
+                self._on_call(payload, at)  # type: ignore[arg-type]
+            elif kind == _TICK:
+                self._apply(self.policy.tick(at), at)
+                self._sample(at)
+                self._push(at + self.policy.tick_interval_s, _TICK, None)
+            else:
+                self._start_program(payload, at)  # type: ignore[arg-type]
+            if self._progress is not None and at >= next_report:
+                self._progress(at)
+                next_report = at + end / 100.0
+        return self._result()
+
+    def _has_pending(self) -> bool:
+        return any(kind != _TICK for _, _, kind, _, _ in self._heap)
+
+    def _start_program(self, spec: ProgramSpec, now: float) -> None:
+        running = _Running(spec, 0, now)
+        self._push(now + spec.calls[0].think_s if spec.calls[0].at is None else max(now, spec.calls[0].at),
+                   _CALL, running)
+
+    def _on_call(self, program: _Running, now: float) -> None:
+        spec = program.spec
+        k = program.next_call
+        call_spec = spec.calls[k]
+        bs = self.block_size
+        hashes = spec.call_hashes(k, bs)
+        prompt_blocks = call_spec.prompt_tokens // bs
+        request_id = f"{spec.session_id}#{k}"
+        final = k == len(spec.calls) - 1
+        chain, chain_tokens = self._chain(spec, k)
+        request = CallRequest(
+            request_id=request_id,
+            session_id=SessionId(spec.session_id),
+            prompt_tokens=call_spec.prompt_tokens,
+            max_output_tokens=call_spec.output_tokens,
+            parent_session_id=SessionId(spec.parent_session_id) if spec.parent_session_id else None,
+            chain=chain,
+            chain_tokens=chain_tokens,
+            block_hashes=tuple(hashes[:prompt_blocks]),
+            final=final,
+        )
+        engine_request = EngineRequest(
+            request_id=request_id,
+            session_id=spec.session_id,
+            hashes=hashes,
+            prompt_tokens=call_spec.prompt_tokens,
+            output_tokens=call_spec.output_tokens,
+            priority=now,
+            arrival=now,
+            known_prefix_tokens=min(program.previous_sequence_tokens, call_spec.prompt_tokens),
+        )
+        self._calls[request_id] = _Call(program, k, request, engine_request, now)
+        decision = self.policy.on_arrival(request, now)
+        if isinstance(decision, Admit):
+            self._dispatch(decision, now)
+
+    def _chain(self, spec: ProgramSpec, k: int) -> tuple[ContinuationChain, tuple[int, ...]]:
+        """Continuation ids at message granularity: family prefix, task, then one per turn."""
+        ids = [ContinuationId(f"f{spec.family}")]
+        tokens = [spec.shared_prefix_tokens]
+        ids.append(ContinuationId(f"p{spec.index}"))
+        tokens.append(spec.calls[0].prompt_tokens)
+        for turn in range(1, k + 1):
+            ids.append(ContinuationId(f"p{spec.index}.{turn}"))
+            tokens.append(spec.calls[turn].prompt_tokens)
+        return ContinuationChain(tuple(ids)), tuple(tokens)
+
+    def _dispatch(self, admit: Admit, now: float) -> None:
+        call = self._calls[admit.request_id]
+        engine_request = call.engine_request
+        engine_request.priority = admit.priority
+        index = self._engine_index[admit.worker]
+        engine = self.engines[index]
+        was_running = engine._run is not None
+        busy_until = engine.busy_until
+        engine.add_request(engine_request, now)
+        if engine.idle:
+            self._start_engine(index, now)
+        elif was_running and engine.busy_until != busy_until:
+            self._versions[index] += 1
+            self._push(engine.busy_until, _ENGINE, index, self._versions[index])
+
+    def _start_engine(self, index: int, now: float) -> None:
+        engine = self.engines[index]
+        until = engine.start(now)
+        self._publish(engine, now)
+        if until is not None:
+            self._versions[index] += 1
+            self._push(until, _ENGINE, index, self._versions[index])
+
+    def _publish(self, engine: Engine, now: float) -> None:
+        events = engine.pool.take_events()
+        if events:
+            self.policy.observe_kv(engine.name, EventBatch(now, events, 0))
+
+    def _on_engine_done(self, index: int, now: float) -> None:
+        engine = self.engines[index]
+        done = engine.complete()
+        self._publish(engine, now)
+        actions: list[Action] = []
+        for engine_request in done:
+            call = self._calls.pop(engine_request.request_id)
+            usage = Usage(engine_request.prompt_tokens, engine_request.output_tokens,
+                          max(0, engine_request.cached_tokens))
+            self._latencies.append(now - call.arrived_at)
+            self._calls_completed += 1
+            actions += self.policy.on_complete(engine_request.request_id, usage, now)
+            self._next_call(call, now)
+        if done:
+            actions += self.policy.tick(now)
+        self._apply(actions, now)
+        if engine.idle:
+            self._start_engine(index, now)
+
+    def _next_call(self, call: _Call, now: float) -> None:
+        program = call.program
+        spec = program.spec
+        program.previous_sequence_tokens = spec.calls[call.index].prompt_tokens + spec.calls[call.index].output_tokens
+        program.next_call = call.index + 1
+        if program.next_call >= len(spec.calls):
+            self._programs_completed += 1
+            self._programs_live -= 1
+            self._program_times.append(now - program.started_at)
+            for new in self.feed.on_program_end(spec, now):
+                self._push(max(now, new.start_at), _START, new)
+                self._programs_live += 1
+            return
+        following = spec.calls[program.next_call]
+        at = now + following.think_s if following.at is None else max(now, following.at)
+        self._push(at, _CALL, program)
+
+    def _apply(self, actions: list[Action], now: float) -> None:
+        for action in actions:
+            if isinstance(action, Admit):
+                self._dispatch(action, now)
+            elif not self.apply_retention:
+                continue
+            elif isinstance(action, Retain):
+                self._by_name[action.worker].pool.retain(action.session_id, action.priority,
+                                                         action.ttl_s, now)
+            elif isinstance(action, Demote):
+                self._by_name[action.worker].pool.demote(action.session_id)
+            elif isinstance(action, Release) and action.worker is not None:
+                self._by_name[action.worker].pool.release(action.session_id)
+
+    def _sample(self, now: float) -> None:
+        if now < self._next_sample:
+            return
+        self._next_sample = now + self._sample_every_s
+        for engine in self.engines:
+            self._utilization[engine.name].append(
+                (now, self.policy.ledger.utilization(engine.name))
+            )
+
+    def _result(self) -> SimResult:
+        stats = [engine.stats for engine in self.engines]
+        policy_stats = self.policy.stats
+        elapsed = min(self.duration_s, self._now) if self._stop_when_done else self.duration_s
+        return SimResult(
+            policy=self.policy.name,
+            duration_s=max(elapsed, 1e-9),
+            output_tokens=sum(s.output_tokens for s in stats),
+            calls_completed=self._calls_completed,
+            prompt_tokens=sum(s.prompt_tokens for s in stats),
+            cached_tokens=sum(s.cached_tokens for s in stats),
+            reprefill_tokens=sum(s.reprefill_tokens for s in stats),
+            preemptions=sum(s.preemptions for s in stats),
+            call_latencies_s=self._latencies,
+            programs_completed=self._programs_completed,
+            program_times_s=self._program_times,
+            pauses=policy_stats.pauses,
+            resumes=policy_stats.resumes,
+            marks=policy_stats.marks,
+            forced_resumes=policy_stats.forced_resumes,
+            utilization=self._utilization,
+        )

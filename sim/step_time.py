@@ -1,0 +1,119 @@
+"""How long one engine iteration takes: a linear model with named hardware/model presets.
+
+``step_s = base_s + prefill_token_s·P + seq_s·S + context_token_s·C`` for an iteration
+that computes ``P`` prompt tokens, runs ``S`` sequences and attends over ``C`` context
+tokens in total. The terms stand for: weights read once per step (memory bound), prompt
+FLOPs (compute bound), per-sequence overheads (sampling, scheduling), and KV reads by
+attention (memory bound).
+
+Presets are derived from public figures, not fitted to measurements here:
+- NVIDIA H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16; H200: 4.8 TB/s HBM3e, 141 GB,
+  same compute (NVIDIA H100 and H200 datasheets).
+- Llama-3.1-8B: 8.0 B parameters (16 GB in BF16), 32 layers, 8 KV heads × 128 dims →
+  128 KiB of KV per token (meta-llama/Llama-3.1-8B config.json).
+- Qwen3-30B-A3B: 30.5 B parameters (61 GB BF16), 3.3 B active per token, 48 layers,
+  4 KV heads × 128 dims → 96 KiB of KV per token (Qwen/Qwen3-30B-A3B config.json). At
+  agent batch sizes nearly every expert is hit each step, so decode reads all weights.
+- Prompt throughput assumes 45% MFU on 2·(active params) FLOPs per token; memory terms
+  assume 70% of peak bandwidth; the KV pool is 90% of HBM minus weights (vLLM's
+  ``gpu_memory_utilization=0.9``).
+These give ≈ 7 ms decode steps at small batch for 8B on H100 and ≈ 15–25 ms with tens of
+thousands of tokens in attention, in line with published vLLM serving measurements for
+that class of model. A GPU run can replace them with calibrated ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_TB = 1e12
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeModel:
+    name: str
+    description: str
+    base_s: float
+    prefill_token_s: float
+    seq_s: float
+    context_token_s: float
+    kv_capacity_tokens: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def step_s(self, prefill_tokens: int, seqs: int, context_tokens: int) -> float:
+        return (
+            self.base_s
+            + self.prefill_token_s * prefill_tokens
+            + self.seq_s * seqs
+            + self.context_token_s * context_tokens
+        )
+
+    def decode_run_s(self, seqs: int, context_tokens: int, steps: int) -> float:
+        """Total time of ``steps`` pure-decode steps, context growing by ``seqs`` each."""
+        per_step = self.base_s + self.seq_s * seqs + self.context_token_s * context_tokens
+        growth = self.context_token_s * seqs
+        return steps * per_step + growth * steps * (steps - 1) / 2.0
+
+    def decode_steps_within(self, seqs: int, context_tokens: int, seconds: float) -> int:
+        """The fewest decode steps whose total time reaches ``seconds`` (at least 1)."""
+        if seconds <= 0:
+            return 1
+        a = self.base_s + self.seq_s * seqs + self.context_token_s * context_tokens
+        b = self.context_token_s * seqs / 2.0
+        # steps·a + b·steps·(steps−1) ≥ seconds
+        lo, hi = 1, 1
+        while self.decode_run_s(seqs, context_tokens, hi) < seconds:
+            hi *= 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if a * mid + b * mid * (mid - 1) >= seconds:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def _preset(name: str, description: str, *, weights_gb: float, active_params_b: float,
+            kv_bytes_per_token: int, hbm_gb: float, bandwidth_tb_s: float,
+            tflops: float = 989.0) -> StepTimeModel:
+    bandwidth = bandwidth_tb_s * _TB * 0.70
+    flops = tflops * _TB * 0.45
+    kv_pool_bytes = hbm_gb * 1e9 * 0.90 - weights_gb * 1e9
+    return StepTimeModel(
+        name=name,
+        description=description,
+        base_s=weights_gb * 1e9 / bandwidth + 0.002,  # + ~2 ms of scheduler/launch overhead
+        prefill_token_s=2.0 * active_params_b * 1e9 / flops,
+        seq_s=40e-6,
+        context_token_s=kv_bytes_per_token / bandwidth,
+        kv_capacity_tokens=int(kv_pool_bytes // kv_bytes_per_token),
+    )
+
+
+def presets() -> dict[str, StepTimeModel]:
+    """Every named preset, built on call (nothing is built at import time)."""
+    built = [
+        _preset("llama3.1-8b-h100", "Llama-3.1-8B, BF16, one H100 SXM 80 GB",
+                weights_gb=16.1, active_params_b=8.0, kv_bytes_per_token=131072,
+                hbm_gb=80, bandwidth_tb_s=3.35),
+        _preset("llama3.1-8b-h200", "Llama-3.1-8B, BF16, one H200 141 GB",
+                weights_gb=16.1, active_params_b=8.0, kv_bytes_per_token=131072,
+                hbm_gb=141, bandwidth_tb_s=4.8),
+        _preset("qwen3-30b-a3b-h200", "Qwen3-30B-A3B (MoE), BF16, one H200 141 GB",
+                weights_gb=61.1, active_params_b=3.3, kv_bytes_per_token=98304,
+                hbm_gb=141, bandwidth_tb_s=4.8),
+        _preset("qwen3-30b-a3b-h100x2", "Qwen3-30B-A3B (MoE), BF16, two H100 SXM (TP=2)",
+                weights_gb=61.1, active_params_b=3.3, kv_bytes_per_token=98304,
+                hbm_gb=160, bandwidth_tb_s=6.7, tflops=1978.0),
+    ]
+    return {model.name: model for model in built}
+
+
+def preset(name: str) -> StepTimeModel:
+    table = presets()
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(table)}") from None

@@ -1,0 +1,232 @@
+"""Typed configuration (DESIGN.md §2 "Config", §3 defaults): clear errors naming the key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from scheduler.config import (
+    POLICY_NAMES,
+    BaselineConfig,
+    ConfigError,
+    PolicyConfig,
+    ProgramAwareConfig,
+    RetentionConfig,
+    load_yaml_text,
+    parse_policy_config,
+    parse_policy_yaml,
+)
+
+# DESIGN.md §3, "Defaults are those published for the Dynamo port of ThunderAgent".
+DESIGN_DEFAULTS = {
+    "pause_threshold": 0.95,
+    "pause_target": 0.80,
+    "soft_band_penalty": -2.0,
+    "resume_hysteresis": 0.10,
+    "buffer_per_program": 100,
+    "resume_priority_boost_s": 1.0,
+    "force_resume_after_s": 1800,
+    "acting_token_weight": 1.0,
+    "idle_release_s": 600,
+    "tick_interval_s": 1.0,
+}
+
+
+# -- defaults ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, value", sorted(DESIGN_DEFAULTS.items()))
+def test_program_aware_defaults_equal_design_section_3(key, value):
+    assert getattr(ProgramAwareConfig(), key) == value
+    assert getattr(PolicyConfig(), key) == value
+
+
+def _design_md() -> Path | None:
+    root = Path(__file__).resolve().parents[2]
+    for candidate in (root / "shared" / "DESIGN.md", root.parent / "shared" / "DESIGN.md"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_design_table_and_the_defaults_list_the_same_keys_and_values():
+    path = _design_md()
+    if path is None:
+        pytest.skip("DESIGN.md is not beside this checkout")
+    text = path.read_text(encoding="utf-8")
+    section = text.split("## 3.", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([-0-9.]+)\s*\|", section, flags=re.M)
+    table = {key: float(value) for key, value in rows}
+    assert table == {k: float(v) for k, v in DESIGN_DEFAULTS.items()}
+    defaults = ProgramAwareConfig()
+    for key, value in table.items():
+        assert float(getattr(defaults, key)) == value, key
+
+
+def test_empty_or_absent_policy_section_gives_the_defaults():
+    assert parse_policy_yaml("") == PolicyConfig()
+    assert parse_policy_yaml("policy:\n") == PolicyConfig()
+    assert parse_policy_yaml("gateway: {port: 8000}\n") == PolicyConfig()
+    assert parse_policy_config(None) == PolicyConfig()
+    assert PolicyConfig().name == "program_aware"
+
+
+def test_yaml_values_override_defaults_and_other_sections_are_ignored():
+    text = """
+    workers:
+      - url: http://w0:8000
+    policy:
+      name: thunderagent
+      pause_threshold: 0.9
+      pause_target: 0.7
+      buffer_per_program: 64
+      retention:
+        ttl_s: 120
+      baselines:
+        thunderagent_tick_s: 2.5
+    """
+    cfg = parse_policy_yaml(text, "sluice.yaml")
+    assert cfg.name == "thunderagent"
+    assert (cfg.pause_threshold, cfg.pause_target, cfg.buffer_per_program) == (0.9, 0.7, 64)
+    assert cfg.retention.ttl_s == 120.0
+    assert cfg.retention.enabled is True  # untouched nested defaults stay
+    assert cfg.baselines.thunderagent_tick_s == 2.5
+    assert cfg.idle_release_s == 600
+
+
+def test_config_is_frozen():
+    cfg = PolicyConfig()
+    with pytest.raises(Exception):
+        cfg.pause_target = 0.5  # type: ignore[misc]
+    assert isinstance(cfg.retention, RetentionConfig)
+    assert isinstance(cfg.baselines, BaselineConfig)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_pause_target_above_pause_threshold_is_rejected_naming_both_keys():
+    with pytest.raises(ConfigError) as info:
+        parse_policy_yaml("policy: {pause_target: 0.99, pause_threshold: 0.95}", "sluice.yaml")
+    msg = str(info.value)
+    assert "pause_target" in msg and "pause_threshold" in msg
+    assert "0.99" in msg and "0.95" in msg
+    assert msg.startswith("sluice.yaml: ")
+
+
+def test_pause_target_equal_to_pause_threshold_is_allowed():
+    cfg = parse_policy_yaml("policy: {pause_target: 0.9, pause_threshold: 0.9}")
+    assert cfg.pause_target == cfg.pause_threshold == 0.9
+
+
+def test_default_pause_threshold_still_checks_a_lone_pause_target():
+    with pytest.raises(ConfigError, match="pause_target.*pause_threshold"):
+        parse_policy_yaml("policy: {pause_target: 0.96}")
+
+
+def test_resume_hysteresis_above_pause_threshold_is_rejected_naming_both():
+    with pytest.raises(ConfigError, match="resume_hysteresis.*pause_threshold"):
+        parse_policy_yaml(
+            "policy: {pause_threshold: 0.05, pause_target: 0.0, resume_hysteresis: 0.1}")
+
+
+def test_unknown_key_is_rejected_with_its_dotted_path():
+    with pytest.raises(ConfigError) as info:
+        parse_policy_yaml("policy:\n  pause_treshold: 0.9\n", "sluice.yaml")
+    assert "policy.pause_treshold" in str(info.value)
+
+
+def test_unknown_nested_key_is_rejected_with_its_dotted_path():
+    with pytest.raises(ConfigError, match=r"policy\.retention\.ttl\b"):
+        parse_policy_yaml("policy: {retention: {ttl: 5}}")
+    with pytest.raises(ConfigError, match=r"policy\.baselines\.sticky_lru"):
+        parse_policy_yaml("policy: {baselines: {sticky_lru: 5}}")
+
+
+@pytest.mark.parametrize(
+    "yaml_text, path",
+    [
+        ("policy: {retention: {ttl_s: soon}}", "policy.retention.ttl_s"),
+        ("policy: {retention: {ttl_s: [1, 2]}}", "policy.retention.ttl_s"),
+        ("policy: {buffer_per_program: 1.5}", "policy.buffer_per_program"),
+        ("policy: {tick_interval_s: fast}", "policy.tick_interval_s"),
+        ("policy: {retention: {enabled: maybe}}", "policy.retention.enabled"),
+        ("policy: {baselines: {sticky_lru_size: {a: 1}}}", "policy.baselines.sticky_lru_size"),
+    ],
+)
+def test_wrong_type_names_the_key_with_its_dotted_path(yaml_text, path):
+    with pytest.raises(ConfigError) as info:
+        parse_policy_yaml(yaml_text, "sluice.yaml")
+    assert f"{path}:" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "yaml_text, path",
+    [
+        ("policy: {tick_interval_s: 0}", "policy.tick_interval_s"),
+        ("policy: {buffer_per_program: -1}", "policy.buffer_per_program"),
+        ("policy: {acting_token_weight: 1.5}", "policy.acting_token_weight"),
+        ("policy: {retention: {refresh_fraction: 1.0}}", "policy.retention.refresh_fraction"),
+        ("policy: {retention: {active_priority: 101}}", "policy.retention.active_priority"),
+    ],
+)
+def test_out_of_range_values_name_the_key(yaml_text, path):
+    with pytest.raises(ConfigError, match=re.escape(path)):
+        parse_policy_yaml(yaml_text)
+
+
+def test_every_offending_key_is_named_at_once():
+    with pytest.raises(ConfigError) as info:
+        parse_policy_yaml("policy: {pause_treshold: 1, retention: {ttl_s: soon}}")
+    msg = str(info.value)
+    assert "policy.pause_treshold" in msg and "policy.retention.ttl_s" in msg
+
+
+def test_invalid_yaml_syntax_is_a_config_error_naming_the_source():
+    with pytest.raises(ConfigError) as info:
+        parse_policy_yaml("policy: [\n", "configs/sluice.yaml")
+    assert str(info.value).startswith("configs/sluice.yaml: ")
+    assert "YAML" in str(info.value)
+    with pytest.raises(ConfigError, match=r"^x\.yaml: "):
+        load_yaml_text("a: {b: 1\n", "x.yaml")
+
+
+def test_top_level_must_be_a_mapping():
+    with pytest.raises(ConfigError, match=r"^sluice\.yaml: .*mapping"):
+        parse_policy_yaml("- just\n- a list\n", "sluice.yaml")
+
+
+def test_policy_section_must_be_a_mapping():
+    with pytest.raises(ConfigError, match=r"policy: expected a mapping, got list"):
+        parse_policy_yaml("policy: [1, 2]")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# -- policy names --------------------------------------------------------------------------
+
+
+def test_policy_names_are_exactly_the_registered_policies():
+    from scheduler.policies import POLICIES
+
+    assert set(POLICY_NAMES) == set(POLICIES)
+    assert {"program_aware", "round_robin", "least_loaded", "kv_aware", "sticky_least_loaded",
+            "thunderagent", "continuum"} == set(POLICY_NAMES)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_registered_policy_name_parses(name):
+    assert parse_policy_yaml(f"policy: {{name: {name}}}").name == name
+
+
+@pytest.mark.parametrize("name", ["fifo", "ProgramAware", "program-aware", ""])
+def test_unregistered_policy_name_is_rejected_naming_the_key(name):
+    with pytest.raises(ConfigError) as info:
+        parse_policy_yaml(f"policy: {{name: '{name}'}}", "sluice.yaml")
+    msg = str(info.value)
+    assert "policy.name" in msg
+    assert "program_aware" in msg  # the message lists what is allowed
