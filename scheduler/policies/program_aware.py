@@ -30,11 +30,10 @@ import math
 
 from scheduler.actions import Action, Admit, Decision, Demote, Mark, Pause, Resume, Retain
 from scheduler.config import PolicyConfig
+from scheduler.calls import CallRequest
 from scheduler.programs import Phase, Program
 from scheduler.policies.base import Call, Policy, hold
-
-# Resume groups, in the order they are served.
-_WAITING, _NEW, _IDLE = 0, 1, 2
+from scheduler.resume_queue import IDLE, NEW, WAITING, ResumeQueue
 
 
 class ProgramAwarePolicy(Policy):
@@ -50,6 +49,9 @@ class ProgramAwarePolicy(Policy):
         self._retain_refresh: list[tuple[float, str]] = []
         self._retained_until: dict[str, float] = {}
         self._retention_due: dict[str, None] = {}
+        self._queue = ResumeQueue(config.resume_aging_halflife_s)
+        # (deadline, session, parked_since): when a parked program must be force-resumed
+        self._force_deadlines: list[tuple[float, str, float]] = []
 
     # -- arrivals and completions ----------------------------------------------------
 
@@ -72,7 +74,15 @@ class ProgramAwarePolicy(Policy):
         self._retention_due[program.session_id] = None
         return self._admit(call, worker)
 
+    def on_arrival(self, request: CallRequest, now: float) -> Decision:
+        decision = super().on_arrival(request, now)
+        if not isinstance(decision, Admit):
+            self._requeue(self.programs[request.session_id])
+        return decision
+
     def after_call(self, program: Program, now: float) -> list[Action]:
+        if program.session_id in self._parked:
+            self._requeue(program)  # a re-homed program's call ended: its demand changed
         if program.in_flight:
             return []
         heapq.heappush(self._idle_deadlines, (now + self.config.idle_release_s, program.session_id))
@@ -87,6 +97,8 @@ class ProgramAwarePolicy(Policy):
             # A held call went away. If that left its program with nothing to run, it is
             # idle from its last activity on; without a deadline it would never be released.
             program = self.programs.get(call.session_id)
+            if program is not None:
+                self._requeue(program)
             if program is not None and not program.in_flight and not program.waiting:
                 deadline = program.last_activity + self.config.idle_release_s
                 heapq.heappush(self._idle_deadlines, (deadline, program.session_id))
@@ -94,6 +106,7 @@ class ProgramAwarePolicy(Policy):
 
     def release(self, session_id, now, reason):  # type: ignore[override]
         self._parked.pop(session_id, None)
+        self._queue.discard(session_id)
         self._retained_until.pop(session_id, None)
         self._retention_due.pop(session_id, None)
         return super().release(session_id, now, reason)
@@ -135,31 +148,18 @@ class ProgramAwarePolicy(Policy):
     # -- resume ----------------------------------------------------------------------
 
     def _resume(self, now: float) -> list[Action]:
-        if not self._parked:
-            return []
-        actions: list[Action] = []
-        force_after = self.config.force_resume_after_s
-        limit = self.config.pause_threshold - self.config.resume_hysteresis
-        candidates = []
-        for session in list(self._parked):
-            program = self.programs[session]
-            waited = now - self._parked_since(program)
-            if waited >= force_after:
-                actions += self._force_resume(program, now)
-                continue
-            group = _WAITING if (program.paused and program.waiting) else (
-                _NEW if program.pending else _IDLE)
-            if program.pending and not program.waiting:
-                continue  # re-homed program with nothing to run yet
-            demand = self._demand_when_resumed(program)
-            aged = demand * math.pow(0.5, waited / self.config.resume_aging_halflife_s)
-            candidates.append((group, aged, session, demand))
-        if not candidates:
+        actions = self._force_due(now)
+        queue = self._queue
+        if not len(queue):
             return actions
-        candidates.sort()
+        limit = self.config.pause_threshold - self.config.resume_hysteresis
+        buffer = self.config.buffer_per_program
         headroom = self._max_headroom(limit)
-        for _group, _aged, session, demand in candidates:
-            if demand + self.config.buffer_per_program > headroom:
+        smallest = queue.min_demand()
+        if smallest is None or smallest + buffer > headroom:
+            return actions
+        for session, demand in queue.in_order():
+            if demand + buffer > headroom or session not in queue:
                 continue
             program = self.programs[session]
             worker = self._resume_target(program, demand, limit)
@@ -167,10 +167,31 @@ class ProgramAwarePolicy(Policy):
                 continue
             actions += self._resume_program(program, worker, now, forced=False)
             headroom = self._max_headroom(limit)
+            smallest = queue.min_demand()
+            if smallest is None or smallest + buffer > headroom:
+                break
         return actions
 
-    def _resume_target(self, program: Program, demand: float, limit: float) -> str | None:
-        weighted = demand if program.waiting else demand * self.config.acting_token_weight
+    def _force_due(self, now: float) -> list[Action]:
+        """Resume every program parked for ``force_resume_after_s``, room or not."""
+        actions: list[Action] = []
+        heap = self._force_deadlines
+        retry = []
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            _, session, since = entry
+            if self._parked.get(session) != since:
+                continue  # resumed (and maybe parked again) since
+            resumed = self._force_resume(self.programs[session], now)
+            if resumed:
+                actions += resumed
+            else:
+                retry.append(entry)  # nothing to run yet, or no worker: try again next tick
+        for entry in retry:
+            heapq.heappush(heap, entry)
+        return actions
+
+    def _resume_target(self, program: Program, weighted: float, limit: float) -> str | None:
         preferred = [program.home_worker]
         if program.parent_session_id is not None:
             parent = self.programs.get(program.parent_session_id)
@@ -389,10 +410,8 @@ class ProgramAwarePolicy(Policy):
         return demand
 
     def _someone_waits(self, program: Program) -> bool:
-        for session in self._parked:
-            if session != program.session_id and self.programs[session].waiting:
-                return True
-        return False
+        own = 1 if program.session_id in self._queue and program.waiting else 0
+        return self._queue.with_calls - own > 0
 
     def _parked_since(self, program: Program) -> float:
         """When the program last stopped running: force-resume counts from here, not from
@@ -400,7 +419,27 @@ class ProgramAwarePolicy(Policy):
         return self._parked.get(program.session_id, program.created_at)
 
     def _park(self, program: Program, now: float) -> None:
-        self._parked.setdefault(program.session_id, now)
+        if program.session_id not in self._parked:
+            self._parked[program.session_id] = now
+            deadline = now + self.config.force_resume_after_s
+            heapq.heappush(self._force_deadlines, (deadline, program.session_id, now))
+        self._requeue(program)
 
     def _unpark(self, program: Program) -> None:
         self._parked.pop(program.session_id, None)
+        self._queue.discard(program.session_id)
+
+    def _requeue(self, program: Program) -> None:
+        """Put a parked program at its place in the resume order (or take it out)."""
+        session = program.session_id
+        since = self._parked.get(session)
+        if since is None or (program.pending and not program.waiting):
+            self._queue.discard(session)  # not parked, or nothing to run yet
+            return
+        demand = self._demand_when_resumed(program)
+        if program.waiting:
+            group = WAITING if program.paused else NEW
+        else:
+            group = IDLE
+            demand = int(demand * self.config.acting_token_weight)
+        self._queue.put(session, group, demand, since)

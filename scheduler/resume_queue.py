@@ -1,0 +1,78 @@
+"""The order in which parked programs are resumed (DESIGN.md §3 "Resume").
+
+Groups first (a paused program with a waiting call, then a new program, then an idle
+paused one); inside a group, smallest first with aging: a program's size counts half for
+every ``halflife_s`` it has waited. Comparing ``size·2^(−waited/h)`` between programs is
+the same as comparing ``log2(size) + parked_since/h``, which does not change with time, so
+the queue stays sorted between ticks instead of being re-sorted on each one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, insort
+from collections.abc import Iterator
+
+WAITING, NEW, IDLE = 0, 1, 2
+
+
+class ResumeQueue:
+    """Invariant: ``_order`` is sorted and holds exactly one key per entry of ``_keys``."""
+
+    def __init__(self, halflife_s: float) -> None:
+        if halflife_s <= 0:
+            raise ValueError(f"halflife_s must be > 0, got {halflife_s}")
+        self._halflife_s = halflife_s
+        self._keys: dict[str, tuple[int, float, str]] = {}
+        self._demand: dict[str, int] = {}
+        self._order: list[tuple[int, float, str]] = []
+        self._smallest: list[tuple[int, str]] = []  # lazy min-heap of (demand, session)
+        self._with_calls = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._keys
+
+    @property
+    def with_calls(self) -> int:
+        """How many queued programs have a call waiting (groups WAITING and NEW)."""
+        return self._with_calls
+
+    def put(self, session: str, group: int, demand: int, parked_since: float) -> None:
+        """Insert ``session`` or move it to its new place."""
+        self.discard(session)
+        key = (group, math.log2(max(demand, 1)) + parked_since / self._halflife_s, session)
+        self._keys[session] = key
+        self._demand[session] = demand
+        insort(self._order, key)
+        heapq.heappush(self._smallest, (demand, session))
+        if len(self._smallest) > 4 * len(self._keys) + 64:
+            self._smallest = [(d, s) for s, d in self._demand.items()]
+            heapq.heapify(self._smallest)
+        if group != IDLE:
+            self._with_calls += 1
+
+    def discard(self, session: str) -> None:
+        key = self._keys.pop(session, None)
+        if key is None:
+            return
+        del self._demand[session]
+        del self._order[bisect_left(self._order, key)]
+        if key[0] != IDLE:
+            self._with_calls -= 1
+
+    def min_demand(self) -> int | None:
+        heap = self._smallest
+        while heap and self._demand.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def in_order(self) -> Iterator[tuple[str, int]]:
+        """(session, demand) in resume order; a snapshot, safe to change the queue while iterating."""
+        for _, _, session in list(self._order):
+            demand = self._demand.get(session)
+            if demand is not None:
+                yield session, demand
