@@ -13,7 +13,8 @@ A tick runs, in order: release idle programs → resume → pause → soft band 
   else best fit (the fitting worker with the least headroom left). "Fits" means
   ``U ≤ pause_threshold − resume_hysteresis`` afterwards. A program parked for
   ``force_resume_after_s`` is resumed regardless (its home, else the emptiest worker).
-- **Admission of a new program**: score = prefix credit − U, minus the soft-band penalty,
+- **Admission of a new program**: score = prefix credit − U (credit = resident prompt
+  tokens / capacity, so both are shares of the worker), minus the soft-band penalty,
   among workers where it fits below ``pause_threshold``; sub-agents go to their parent's
   worker when it fits. While other programs wait for room, a new one queues behind them
   (as ThunderAgent does), and the resume pass orders them.
@@ -376,9 +377,12 @@ class ProgramAwarePolicy(Policy):
         return best
 
     def prefix_credit(self, worker: str, call: Call) -> float:
-        """Share of the call's prompt already resident on ``worker`` (0..1)."""
-        prompt = call.request.prompt_tokens
-        return self.resident_prefix(worker, call) / prompt if prompt > 0 else 0.0
+        """The call's prompt tokens already resident on ``worker``, as a share of the
+        worker's capacity: the same unit as ``U``, so credit and load trade off token for
+        token. (A share of the *prompt* would let a system prompt cached everywhere outweigh
+        any load difference and pile new programs onto the first worker that cached it.)"""
+        capacity = self.ledger.worker(worker).capacity_tokens
+        return self.resident_prefix(worker, call) / capacity if capacity else 0.0
 
     def _fits(self, worker: str, demand: float, limit: float) -> bool:
         load = self.ledger.worker(worker)

@@ -363,16 +363,18 @@ def test_soft_band_is_target_inclusive_to_threshold_exclusive(tokens, in_band) -
 
 def _soft_band_routing(penalty: float) -> str:
     d = Driver(make({"w0": CAP, "w1": CAP}, soft_band_penalty=penalty))
-    d.acting("x", 850)
+    d.acting("x", 820)
     d.acting("y", 790)
     assert d.p.programs["x"].home_worker == "w0" and d.p.programs["y"].home_worker == "w1"
     d.p.tick(1.0)
-    # n's whole prompt is resident on w0: prefix credit 1.0 there, 0 on w1.
-    stored = BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=[],
+    # n's whole 96-token prompt is resident on w0: a credit of 0.096 of capacity there,
+    # which outweighs w0's 0.03 higher load; nothing is resident on w1.
+    hashes = [11, 12, 13, 14, 15, 16]
+    stored = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                          block_size=16, lora_id=None, medium=None, lora_name=None,
                          session_id="someone-else")
     d.p.observe_kv("w0", EventBatch(ts=1.0, events=[stored]))
-    decision = d.arrive("n", 32, now=2.0, block_hashes=(11, 12))
+    decision = d.arrive("n", 96, now=2.0, block_hashes=tuple(hashes))
     assert isinstance(decision, Admit)
     return decision.worker
 
@@ -380,6 +382,19 @@ def _soft_band_routing(penalty: float) -> str:
 def test_new_program_routing_avoids_soft_band_worker() -> None:
     assert _soft_band_routing(0.0) == "w0"  # prefix credit wins without the penalty
     assert _soft_band_routing(-2.0) == "w1"
+
+
+def test_new_program_routing_weighs_prefix_credit_in_tokens_against_load() -> None:
+    # A 48-token shared prefix resident on the busier worker saves 0.048 of its capacity:
+    # not enough to outweigh a 0.2 difference in load, so the program goes to the idler one.
+    d = Driver(make({"w0": CAP, "w1": CAP}))
+    d.acting("busy", 200)
+    assert d.p.programs["busy"].home_worker == "w0"
+    stored = BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[],
+                         block_size=16, lora_id=None, medium=None, lora_name=None,
+                         session_id="other")
+    d.p.observe_kv("w0", EventBatch(ts=0.0, events=[stored]))
+    assert d.arrive("n", 48, block_hashes=(1, 2, 3)).worker == "w1"
 
 
 def test_new_program_routing_prefers_resident_prefix() -> None:
