@@ -132,5 +132,14 @@ def demo(
         typer.echo(f"\nwrote {json_path}")
 
 
+def _register_simulator_commands() -> None:
+    from sim.cli import register
+
+    register(app)
+
+
+_register_simulator_commands()
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

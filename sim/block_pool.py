@@ -55,6 +55,7 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # hash -> block id, or {block id: None} when duplicates exist (first one wins lookups)
         self._cached: dict[BlockHash, int | dict[int, None]] = {}
+        self._duplicated = 0  # how many hashes map to more than one block
         # eviction class -> free blocks in LRU order (front evicted first)
         self._free: dict[int, OrderedDict[int, None]] = {
             NORMAL_CLASS: OrderedDict((i, None) for i in range(1, num_blocks))
@@ -92,14 +93,15 @@ class BlockPool:
         if not self.enable_caching:
             return []
         limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
-        hit: list[int] = []
-        cached = self._cached
-        for i in range(limit):
-            entry = cached.get(hashes[i])
-            if entry is None:
-                break
-            hit.append(entry if isinstance(entry, int) else next(iter(entry)))
-        return hit
+        # One C-level pass over the hashes, then cut at the first miss.
+        entries = list(map(self._cached.get, hashes[:limit]))
+        try:
+            entries = entries[: entries.index(None)]
+        except ValueError:
+            pass
+        if self._duplicated:
+            entries = [e if type(e) is int else next(iter(e)) for e in entries]
+        return entries
 
     def is_cached(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
@@ -144,41 +146,70 @@ class BlockPool:
             entry.pop(block_id, None)
             if len(entry) == 1:
                 self._cached[block_hash] = next(iter(entry))
+                self._duplicated -= 1
             elif not entry:
                 del self._cached[block_hash]
+                self._duplicated -= 1
         if self.enable_events:
             self._events.append(BlockRemoved([block_hash], MEDIUM_GPU, group_idx=0))
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A prefix hit: take the blocks out of the free queue if they were free."""
+        ref = self.ref_cnt
+        free = self._free
+        block_class = self._block_class
+        taken = 0
         for block_id in block_ids:
-            if self.ref_cnt[block_id] == 0 and block_id != 0:
-                del self._free[self._block_class[block_id]][block_id]
-                self._free_count -= 1
-            self.ref_cnt[block_id] += 1
+            if ref[block_id] == 0 and block_id != 0:
+                del free[block_class[block_id]][block_id]
+                taken += 1
+            ref[block_id] += 1
+        self._free_count -= taken
 
     def free_blocks(self, ordered_ids: Iterable[int], session_id: str | None = None) -> None:
         """Drop one reference from each block, in eviction order (callers pass a request's
-        blocks reversed, as vLLM does). ``session_id`` names the request's session for the
-        retention classes."""
+        blocks reversed, as vLLM does). ``session_id`` names the request's session: its
+        freed cached blocks take the session's retention class."""
+        ref = self.ref_cnt
+        block_hash = self.block_hash
+        block_class = self._block_class
+        caching = self.enable_caching
+        cls = NORMAL_CLASS if session_id is None else self._class_of(session_id)
+        queue = self._free.get(cls)
+        if queue is None:
+            queue = self._free[cls] = OrderedDict()
+        if session_id is not None:
+            owner = self._block_session
+            owned = self._session_blocks.setdefault(session_id, {})
+            session_blocks = self._session_blocks
         unhashed: list[int] = []
+        freed = 0
         for block_id in ordered_ids:
-            self.ref_cnt[block_id] -= 1
-            if self.ref_cnt[block_id] < 0:
+            count = ref[block_id] - 1
+            ref[block_id] = count
+            if count > 0 or block_id == 0:
+                if count < 0:
+                    raise RuntimeError(f"block {block_id} freed more often than allocated")
+                continue
+            if count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
-            if self.ref_cnt[block_id] > 0 or block_id == 0:
-                continue
-            self._free_count += 1
-            if not self.enable_caching or self.block_hash[block_id] is None:
+            freed += 1
+            if not caching or block_hash[block_id] is None:
                 unhashed.append(block_id)
-                self._block_class[block_id] = NORMAL_CLASS
+                block_class[block_id] = NORMAL_CLASS
                 continue
-            cls = NORMAL_CLASS
+            block_class[block_id] = cls
+            queue[block_id] = None
             if session_id is not None:
-                self._set_owner(block_id, session_id)
-                cls = self._class_of(session_id)
-            self._block_class[block_id] = cls
-            self._free.setdefault(cls, OrderedDict())[block_id] = None
+                previous = owner[block_id]
+                if previous != session_id:
+                    if previous is not None:
+                        del session_blocks[previous][block_id]
+                    owner[block_id] = session_id
+                    owned[block_id] = None
+        self._free_count += freed
+        if session_id is not None and not owned:
+            del session_blocks[session_id]
         # vLLM prepends blocks without a hash, keeping their given order at the front.
         normal = self._free[NORMAL_CLASS]
         for block_id in reversed(unhashed):
@@ -213,6 +244,7 @@ class BlockPool:
                 self._cached[block_hash] = block_id
             elif isinstance(entry, int):
                 self._cached[block_hash] = {entry: None, block_id: None}
+                self._duplicated += 1
             else:
                 entry[block_id] = None
             new_hashes.append(block_hash)
@@ -244,6 +276,7 @@ class BlockPool:
         if self._free_count != self.num_blocks - 1:
             return False
         self._cached.clear()
+        self._duplicated = 0
         self.block_hash = [None] * self.num_blocks
         if self.enable_events:
             self._events.append(AllBlocksCleared())

@@ -174,7 +174,8 @@ class Simulation:
                  num_blocks: int | None = None, report_reuse: bool = False,
                  apply_retention: bool = True,
                  progress: Callable[[float], None] | None = None,
-                 sample_every_s: float = 10.0, stop_when_done: bool = False) -> None:
+                 sample_every_s: float = 10.0, stop_when_done: bool = False,
+                 on_sample: Callable[[float, Simulation], None] | None = None) -> None:
         if workers <= 0:
             raise ValueError(f"workers must be > 0, got {workers}")
         if duration_s <= 0:
@@ -193,6 +194,7 @@ class Simulation:
         self.block_size = self.engines[0].block_size
         self.apply_retention = apply_retention
         self._progress = progress
+        self._on_sample = on_sample
         self._sample_every_s = sample_every_s
         self._heap: list[tuple[float, int, int, object, int]] = []
         self._seq = itertools.count()
@@ -389,6 +391,8 @@ class Simulation:
             self._utilization[engine.name].append(
                 (now, self.policy.ledger.utilization(engine.name))
             )
+        if self._on_sample is not None:
+            self._on_sample(now, self)
 
     def _result(self) -> SimResult:
         stats = [engine.stats for engine in self.engines]

@@ -1,0 +1,177 @@
+"""``sluice sim``, ``sluice replay`` and ``sluice sweep``: the simulator's commands.
+
+They are registered on the main ``sluice`` app by :func:`register`. Each prints the report
+table; ``--json PATH`` writes ``{"results": [...], "config": {...}}``. Bad input (unknown
+policy, workload or preset, a malformed trace line, a bad sweep file) prints ``error: ...``
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from scheduler.config import POLICY_NAMES, ConfigError
+from sim.report import format_table, write_json
+from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, trace_span_s, workload_feed
+from sim.step_time import presets
+
+DEFAULT_PRESET = "llama3.1-8b-h100"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _policies(spec: str) -> list[str]:
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        raise _fail("--policy needs at least one policy name")
+    unknown = [name for name in names if name not in POLICY_NAMES]
+    if unknown:
+        raise _fail(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+    return names
+
+
+def _check_preset(name: str) -> None:
+    if name not in presets():
+        raise _fail(f"unknown preset {name!r}; choose from {', '.join(presets())}")
+
+
+def _command_line() -> str:
+    return "sluice " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
+
+
+def sim(
+    workload: str = typer.Option("swebench", "--workload", help=f"One of: {', '.join(WORKLOADS)}."),
+    concurrency: int = typer.Option(256, "--concurrency", min=1,
+                                    help="Programs alive at once (swebench: closed loop; "
+                                         "rl_rollout: programs per batch)."),
+    workers: int = typer.Option(8, "--workers", min=1, help="Simulated vLLM workers."),
+    preset: str = typer.Option(DEFAULT_PRESET, "--preset",
+                               help="Hardware/model step-time preset (see `sluice presets`)."),
+    duration: float = typer.Option(900.0, "--duration", min=1.0, help="Simulated seconds."),
+    policy: str = typer.Option("program_aware,kv_aware,least_loaded", "--policy",
+                               help="Comma-separated policies to compare on the same programs."),
+    seed: int = typer.Option(7, "--seed", help="Workload seed."),
+    block_size: int = typer.Option(DEFAULT_BLOCK_SIZE, "--block-size", min=1,
+                                   help="KV block size in tokens."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
+                                             dir_okay=False, metavar="PATH"),
+) -> None:
+    """Simulate a synthetic agent workload under each policy and compare them."""
+    names = _policies(policy)
+    _check_preset(preset)
+    if workload not in WORKLOADS:
+        raise _fail(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    results = run_policies(
+        names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
+        preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
+    )
+    typer.echo(format_table([r.summary() for r in results]))
+    if json_path is not None:
+        config = {"command": _command_line(), "workload": workload, "concurrency": concurrency,
+                  "workers": workers, "preset": preset, "duration_s": duration, "seed": seed,
+                  "block_size": block_size, "policies": names}
+        write_json(json_path, results, config)
+        typer.echo(f"wrote {json_path}")
+
+
+def replay(
+    fmt: str = typer.Option(..., "--format", help="mooncake | kvtester | dynamo | sluice."),
+    trace: Path = typer.Option(..., "--trace", help="The trace file (or kvtester directory).",
+                               metavar="PATH"),
+    workers: int = typer.Option(8, "--workers", min=1, help="Simulated vLLM workers."),
+    policy: str = typer.Option("program_aware,kv_aware", "--policy",
+                               help="Comma-separated policies to compare."),
+    time_scale: float = typer.Option(1.0, "--time-scale",
+                                     help="Multiply arrival and think times (0.5 replays twice as fast)."),
+    preset: str = typer.Option(DEFAULT_PRESET, "--preset", help="Step-time preset."),
+    drain: float = typer.Option(1800.0, "--drain", min=0.0,
+                                help="Simulated seconds allowed after the last arrival."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
+                                             dir_okay=False, metavar="PATH"),
+) -> None:
+    """Replay a recorded trace (each session keeps its own timing) under each policy."""
+    from sim.runs import replay_programs
+    from sim.traces import TraceError
+
+    names = _policies(policy)
+    _check_preset(preset)
+    if time_scale <= 0:
+        raise _fail(f"--time-scale must be > 0, got {time_scale}")
+    try:
+        programs, block_size = replay_programs(fmt, trace, time_scale)
+    except TraceError as err:
+        raise _fail(str(err)) from None
+    except (ValueError, OSError) as err:
+        raise _fail(f"{trace}: {err}") from None
+    if not programs:
+        raise _fail(f"{trace}: the trace holds no requests")
+    span = trace_span_s(programs)
+    typer.echo(f"{trace}: {sum(len(p.calls) for p in programs):,} calls in {len(programs):,} "
+               f"sessions over {span:,.0f} s (block size {block_size})", err=True)
+    from sim.simulation import OpenLoop
+
+    results = run_policies(
+        names, lambda: OpenLoop(_fresh(programs)), workers=workers, preset=preset,
+        duration_s=span + drain, block_size=block_size, stop_when_done=True,
+        label=f"replay {fmt} ",
+    )
+    typer.echo(format_table([r.summary() for r in results]))
+    if json_path is not None:
+        config = {"command": _command_line(), "format": fmt, "trace": str(trace), "workers": workers,
+                  "preset": preset, "time_scale": time_scale, "block_size": block_size,
+                  "policies": names}
+        write_json(json_path, results, config)
+        typer.echo(f"wrote {json_path}")
+
+
+def _fresh(programs):
+    """Programs carry a lazily grown hash stream; give each run its own copies."""
+    import dataclasses
+
+    return [dataclasses.replace(p, _stream=[]) for p in programs]
+
+
+def sweep(
+    config: Path = typer.Argument(..., help="Sweep YAML (see experiments/concurrency_sweep.yaml).",
+                                  metavar="CONFIG.yaml"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", min=1,
+                                       help="Parallel runs (default: the file's `jobs`)."),
+) -> None:
+    """Run a concurrency × policy grid and write a Markdown table, JSON and plots."""
+    from sim.sweep import load_sweep, run_sweep
+
+    try:
+        text = config.read_text(encoding="utf-8")
+    except OSError as err:
+        raise _fail(f"{config}: cannot read ({err.strerror or err})") from None
+    try:
+        spec, policy_config = load_sweep(text, str(config))
+    except ConfigError as err:
+        raise _fail(str(err)) from None
+    if jobs is not None:
+        spec = spec.model_copy(update={"jobs": jobs})
+    out = run_sweep(spec, policy_config, _command_line())
+    typer.echo((out / "results.md").read_text())
+    typer.echo(f"wrote {out}/results.md, results.json, throughput.png, hit_rate.png")
+
+
+def list_presets() -> None:
+    """List the step-time presets and the public figures behind them."""
+    for model in presets().values():
+        typer.echo(f"{model.name:<22} {model.description}; KV pool {model.kv_capacity_tokens:,} tokens, "
+                   f"decode step {model.base_s * 1e3:.1f} ms + {model.context_token_s * 1e9:.0f} ns/context token")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sim")(sim)
+    app.command("replay")(replay)
+    app.command("sweep")(sweep)
+    app.command("presets")(list_presets)
