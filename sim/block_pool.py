@@ -15,6 +15,9 @@ What is kept exactly, because hit rates and events depend on it:
   multimodal inputs or cache salt (``emit_cached_block_events`` likewise);
 - ``reset_prefix_cache`` only works when nothing is in use, and emits ``AllBlocksCleared``.
 
+Since every free block without a hash precedes every cached one in vLLM's queue, the pool
+keeps them in a queue of their own that is always served first.
+
 Sluice adds the retention bias of DESIGN.md §5 (the engine plugin's semantics): a free
 block sits in the queue of its eviction class; allocation takes from the lowest class
 first, LRU inside a class. Without directives every block is in the normal class and the
@@ -31,6 +34,9 @@ from collections.abc import Iterable, Sequence
 
 from scheduler.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
+# Free blocks without a hash cost nothing to reuse and always go first (in vLLM they sit at
+# the head of the free queue, ahead of every cached block), whatever the retention classes.
+UNHASHED_CLASS = -1
 NORMAL_CLASS = 50
 LOW_CLASS = 0
 MEDIUM_GPU = "GPU"
@@ -58,10 +64,11 @@ class BlockPool:
         self._duplicated = 0  # how many hashes map to more than one block
         # eviction class -> free blocks in LRU order (front evicted first)
         self._free: dict[int, OrderedDict[int, None]] = {
-            NORMAL_CLASS: OrderedDict((i, None) for i in range(1, num_blocks))
+            UNHASHED_CLASS: OrderedDict((i, None) for i in range(1, num_blocks)),
+            NORMAL_CLASS: OrderedDict(),
         }
         self._free_count = num_blocks - 1
-        self._block_class: list[int] = [NORMAL_CLASS] * num_blocks
+        self._block_class: list[int] = [UNHASHED_CLASS] * num_blocks
         self._events: list[KVEvent] = []
         # retention: session -> (class, expires_at); session -> block ids it last freed
         self._session_class: dict[str, tuple[int, float]] = {}
@@ -196,7 +203,7 @@ class BlockPool:
             freed += 1
             if not caching or block_hash[block_id] is None:
                 unhashed.append(block_id)
-                block_class[block_id] = NORMAL_CLASS
+                block_class[block_id] = UNHASHED_CLASS
                 continue
             block_class[block_id] = cls
             queue[block_id] = None
@@ -211,10 +218,10 @@ class BlockPool:
         if session_id is not None and not owned:
             del session_blocks[session_id]
         # vLLM prepends blocks without a hash, keeping their given order at the front.
-        normal = self._free[NORMAL_CLASS]
+        front = self._free[UNHASHED_CLASS]
         for block_id in reversed(unhashed):
-            normal[block_id] = None
-            normal.move_to_end(block_id, last=False)
+            front[block_id] = None
+            front.move_to_end(block_id, last=False)
 
     # -- caching ---------------------------------------------------------------------
 
@@ -321,7 +328,8 @@ class BlockPool:
     def _reclass(self, session_id: str, cls: int) -> None:
         """Move the session's free blocks to ``cls``, keeping their relative LRU order."""
         for block_id in self._session_blocks.get(session_id, ()):
-            if self.ref_cnt[block_id] != 0 or self._block_class[block_id] == cls:
+            if (self.ref_cnt[block_id] != 0 or self._block_class[block_id] == cls
+                    or self.block_hash[block_id] is None):
                 continue
             del self._free[self._block_class[block_id]][block_id]
             self._block_class[block_id] = cls
