@@ -29,7 +29,8 @@ Positive = Annotated[float, Field(gt=0.0)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a YAML `true` or "100" is not silently taken for a number
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class RetentionConfig(_Strict):

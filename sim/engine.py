@@ -47,7 +47,8 @@ class EngineRequest:
     priority: float
     arrival: float
     continuation_id: str | None = None
-    # prompt tokens this session had computed before (to count re-prefill)
+    # tokens of this sequence the session had computed before (to count re-prefill): the
+    # previous call's context, raised to what was computed when the request is preempted
     known_prefix_tokens: int = 0
     num_computed: int = 0
     num_output: int = 0
@@ -208,14 +209,39 @@ class Engine:
         self.stats.steps += steps
         self.stats.busy_s += end - run.start
         bs = self.block_size
-        done: list[EngineRequest] = []
-        for request in run.requests:
-            computed = request.num_computed + steps
+        pool = self.pool
+        requests = run.requests
+        # Replay the run's block allocations and cachings in the order single iterations
+        # make them (step by step, running order within a step), so each request gets the
+        # same block ids and the KV events come out the same as without the run. Only the
+        # steps where a request crosses a block boundary are visited (no per-token work).
+        starts = [r.num_computed for r in requests]
+        points: list[tuple[int, int]] = []
+        for i, c0 in enumerate(starts):
+            # the steps whose token starts a new block, and those whose token fills one
+            first = (1 - c0) % bs or bs
+            points.extend((s, i) for s in range(first, steps + 1, bs))
+            if bs > 1:
+                first = (-c0) % bs or bs
+                points.extend((s, i) for s in range(first, steps + 1, bs))
+        points.sort()
+        seqs = len(requests)
+        for s, i in points:
+            request = requests[i]
+            computed = starts[i] + s
             need = -(-computed // bs) - len(request.block_ids)
             if need > 0:
-                request.block_ids.extend(self.pool.get_new_blocks(need, end))
-            request.num_computed = computed
-            self._cache(request, computed)
+                at = run.start + self.model.decode_run_s(seqs, run.context_tokens, s - 1)
+                request.block_ids.extend(pool.get_new_blocks(need, at))
+            num_full = min(computed // bs, len(request.hashes))
+            if num_full > request.num_cached_blocks:
+                pool.cache_full_blocks(request.block_ids, request.hashes, request.num_cached_blocks,
+                                       num_full, session_id=request.session_id,
+                                       continuation_id=request.continuation_id)
+                request.num_cached_blocks = num_full
+        done: list[EngineRequest] = []
+        for request, c0 in zip(requests, starts):
+            request.num_computed = c0 + steps
             self._sample(request, end, steps, done)
         return done
 
@@ -349,8 +375,7 @@ class Engine:
         """Hit rate counts the first admission; re-prefill counts every recomputed token
         that this session had computed before (evicted prefix, or lost to preemption)."""
         to_compute = request.seq_len - hit_tokens
-        known = max(request.known_prefix_tokens, request.seq_len if request.preemptions else 0)
-        reprefill = max(0, min(known, request.seq_len) - hit_tokens)
+        reprefill = max(0, min(request.known_prefix_tokens, request.seq_len) - hit_tokens)
         request.reprefill_tokens += reprefill
         self.stats.reprefill_tokens += reprefill
         self.stats.computed_prefill_tokens += to_compute
@@ -369,6 +394,8 @@ class Engine:
             request.num_cached_blocks = num_full
 
     def _preempt(self, request: EngineRequest) -> None:
+        # what it had computed is lost (the tokens scheduled in this iteration never ran)
+        request.known_prefix_tokens = max(request.known_prefix_tokens, request.num_computed)
         self.running.remove(request)
         self.pool.free_blocks(reversed(request.block_ids), request.session_id)
         request.block_ids = []
