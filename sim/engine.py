@@ -242,11 +242,15 @@ class Engine:
         done: list[EngineRequest] = []
         for request, c0 in zip(requests, starts):
             request.num_computed = c0 + steps
+            if request.num_output == 0:
+                # a prefill chunk ended one token short: the run's first step samples the
+                # first token
+                request.first_token_at = run.start + self.model.decode_run_s(seqs, run.context_tokens, 1)
             self._sample(request, end, steps, done)
         return done
 
     def _sample(self, request: EngineRequest, now: float, tokens: int, done: list[EngineRequest]) -> None:
-        if request.num_output == 0:
+        if request.first_token_at is None:
             request.first_token_at = now
         request.num_output += tokens
         self.stats.output_tokens += tokens

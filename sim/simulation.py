@@ -346,7 +346,7 @@ class Simulation:
             self._calls_completed += 1
             actions += self.policy.on_complete(engine_request.request_id, usage, now)
             self._next_call(call, now)
-        if done:
+        if done and self.policy.ticks_after_completion:
             actions += self.policy.tick(now)
         self._apply(actions, now)
         if engine.idle:

@@ -56,6 +56,9 @@ class Policy(ABC):
     """Shared state and bookkeeping; subclasses decide placement and pausing."""
 
     name: str = "abstract"
+    # Whether a shell runs a tick right after each completion (DESIGN.md §3), besides the
+    # periodic one. Baselines published with a fixed scheduler loop say False.
+    ticks_after_completion: bool = True
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

@@ -6,8 +6,8 @@ Source: ThunderAgent (arXiv 2602.13692), repository ThunderAgent-org/ThunderAgen
 - capacity used = Σ REASONING tokens + ``acting_token_weight``·Σ ACTING tokens − shared
   + 100 per program; a backend is over capacity when used > capacity (threshold 1.0, no
   separate pause target, no hysteresis, no soft band, no retention directives);
-- tick every 5 s (``--scheduler-interval``; ``baselines.thunderagent_tick_s``), resume
-  before pause;
+- tick every 5 s (``--scheduler-interval``; ``baselines.thunderagent_tick_s``) and only
+  then (no tick on completions), resume before pause;
 - pause: the smallest ACTING program first while over capacity; then every REASONING
   program on that backend is marked (marking does not lower ``remaining`` upstream, so
   the loop marks until none is left);
@@ -36,6 +36,8 @@ BUFFER_PER_PROGRAM = 100
 
 class ThunderAgentPolicy(ProgramAwarePolicy):
     name = "thunderagent"
+    # Upstream schedules only in its periodic loop (``_scheduler_loop``), not on completions.
+    ticks_after_completion = False
 
     def __init__(self, config: PolicyConfig) -> None:
         faithful = config.model_copy(

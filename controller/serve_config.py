@@ -1,0 +1,192 @@
+"""Configuration of ``sluice serve``: the gateway's own keys, the fleet and the policy.
+
+One YAML document, every top-level key optional except ``workers``::
+
+    listen: {host: 127.0.0.1, port: 8080}
+    admin_token_env: SLUICE_ADMIN_TOKEN   # or admin_token: "..." (the env var wins if set)
+    max_body_bytes: 8388608
+    request_log: /var/log/sluice/requests.jsonl   # opt-in
+    health_interval_s: 5.0
+    capacity_retry_s: 5.0
+    upstream: {connect_timeout_s: 5, read_timeout_s: 600, ...}
+    workers: [{name, url, kv_events, replay, directives, capacity_tokens?}, ...]
+    policy: {...}                         # scheduler.config.PolicyConfig
+
+Errors name the key with its dotted path (``workers.1.url: ...``), as ``check-config`` does
+for ``policy:``; the ``policy:`` section is validated by
+:func:`scheduler.config.parse_policy_config`, so both report alike.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from scheduler.config import ConfigError, PolicyConfig, _format_errors, load_yaml_text, parse_policy_config
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
+
+Seconds = Annotated[float, Field(gt=0.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+
+
+class UpstreamConfig(_Strict):
+    """httpx timeouts and pool sizes, per worker."""
+
+    connect_timeout_s: Seconds = 5.0
+    # Between two chunks of a stream, or for a whole non-streaming response.
+    read_timeout_s: Seconds = 600.0
+    write_timeout_s: Seconds = 30.0
+    # Waiting for a free connection of the worker's pool.
+    pool_timeout_s: Seconds = 30.0
+    max_connections: Annotated[int, Field(ge=1)] = 1024
+    max_keepalive_connections: Annotated[int, Field(ge=0)] = 256
+
+
+def _check_url(value: str, schemes: tuple[str, ...], what: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in schemes or not parts.netloc:
+        raise ValueError(f"{what} must look like {schemes[0]}://HOST:PORT, got {value!r}")
+    return value
+
+
+class WorkerConfig(_Strict):
+    """One engine behind the gateway (configs/example.yaml documents each key)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    url: str
+    kv_events: str | None = None
+    replay: str | None = None
+    directives: str | None = None
+    capacity_tokens: Annotated[int, Field(gt=0)] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, value: str) -> str:
+        if not all("!" <= ch <= "~" for ch in value):
+            raise ValueError(f"must be printable ASCII without spaces, got {value!r}")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        return _check_url(value.rstrip("/"), ("http", "https"), "url")
+
+    @field_validator("kv_events", "replay", "directives")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
+
+
+class ServeConfig(_Strict):
+    """Everything ``sluice serve`` reads. ``policy`` is the one section hot-reloaded."""
+
+    listen: ListenConfig = ListenConfig()
+    # The bearer token of /sluice/* admin endpoints. ``admin_token_env`` names an
+    # environment variable read at start-up; when it is set it wins over ``admin_token``.
+    # Neither set: the admin endpoints answer 403.
+    admin_token: Annotated[str, Field(min_length=8)] | None = None
+    admin_token_env: str | None = DEFAULT_ADMIN_TOKEN_ENV
+    max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
+    # One dynamo.request.trace.v1 request_end record per finished call (JSONL); opt-in.
+    request_log: Path | None = None
+    health_interval_s: Seconds = 5.0
+    # Consecutive failed health checks before a worker counts as down.
+    unhealthy_after: Annotated[int, Field(ge=1)] = 2
+    capacity_retry_s: Seconds = 5.0
+    # How often the config file's mtime is polled for a policy reload; 0 turns polling off
+    # (SIGHUP still reloads).
+    reload_poll_s: Annotated[float, Field(ge=0.0)] = 2.0
+    # Served by GET /v1/models instead of asking the workers, when set.
+    models: list[str] | None = None
+    log_level: str = "info"
+    upstream: UpstreamConfig = UpstreamConfig()
+    workers: Annotated[list[WorkerConfig], Field(min_length=1)]
+    policy: PolicyConfig = PolicyConfig()
+
+    _path: Path | None = PrivateAttr(default=None)
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.lower()
+        if level not in {"debug", "info", "warning", "error", "critical"}:
+            raise ValueError(f"must be one of debug, info, warning, error, critical, got {value!r}")
+        return level
+
+    @model_validator(mode="after")
+    def _unique_worker_names(self) -> ServeConfig:
+        seen: set[str] = set()
+        for worker in self.workers:
+            if worker.name in seen:
+                raise ValueError(f"worker name {worker.name!r} appears twice")
+            seen.add(worker.name)
+        return self
+
+    @property
+    def path(self) -> Path | None:
+        """The file this config was loaded from (hot reload watches it), if any."""
+        return self._path
+
+    def resolved_admin_token(self, environ: dict[str, str] | None = None) -> str | None:
+        env = os.environ if environ is None else environ
+        if self.admin_token_env and env.get(self.admin_token_env):
+            return env[self.admin_token_env]
+        return self.admin_token
+
+
+def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig:
+    """Validate a mapping as a :class:`ServeConfig`; every error names its dotted key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    problems: list[str] = []
+    rest = dict(data)
+    policy: PolicyConfig | None = None
+    try:
+        policy = parse_policy_config(rest.pop("policy", None), "policy")
+    except ConfigError as err:
+        problems.append(str(err))
+    try:
+        config = ServeConfig.model_validate({**rest, "policy": policy or PolicyConfig()})
+    except ValidationError as err:
+        problems.append(_format_errors(err, ""))
+        config = None
+    if problems:
+        raise ConfigError(f"{source}: " + "\n".join(problems).replace("\n", f"\n{source}: "))
+    assert config is not None
+    return config
+
+
+def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:
+    """Read and validate a YAML file; errors (unreadable file included) are ConfigErrors."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a YAML file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
+    config = parse_serve_config(load_yaml_text(text, str(path)), str(path))
+    config._path = path.resolve()
+    return config
