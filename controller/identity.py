@@ -304,8 +304,12 @@ def _read_responses(body: dict) -> _Prompt:
 
     def field(i: int) -> str:
         if i < n_instructions:
-            return f"body.instructions[{i}]" if isinstance(instructions, list) else "body.instructions"
-        return f"body.input[{i - n_instructions}]" if isinstance(raw_input, list) else "body.input"
+            if isinstance(instructions, list):
+                return f"body.instructions[{i}]"
+            return "body.instructions"
+        if isinstance(raw_input, list):
+            return f"body.input[{i - n_instructions}]"
+        return "body.input"
 
     return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user)
 
