@@ -75,7 +75,7 @@ class ClientResult:
 
 class AgentClient:
     def __init__(self, base_url: str, make_program, *, concurrency: int, duration_s: float,
-                 time_scale: float = 1.0, model: str = "sluice-sim",
+                 drain_s: float = 0.0, time_scale: float = 1.0, model: str = "sluice-sim",
                  system_tokens: int | None = None, timeout_s: float = 600.0) -> None:
         if concurrency <= 0:
             raise ValueError(f"concurrency must be > 0, got {concurrency}")
@@ -83,6 +83,9 @@ class AgentClient:
         self._make_program = make_program
         self._concurrency = concurrency
         self._duration_s = duration_s
+        # After ``duration_s`` no new program starts; those under way may finish for up to
+        # ``drain_s`` more, then every call still open is cancelled (the client goes away).
+        self._drain_s = drain_s
         self._time_scale = time_scale
         self._model = model
         self._system_tokens = system_tokens
@@ -97,9 +100,10 @@ class AgentClient:
         self._deadline = start + self._duration_s
         async with httpx.AsyncClient(base_url=self._base_url, limits=limits,
                                      timeout=httpx.Timeout(self._timeout_s)) as http:
-            async with anyio.create_task_group() as tasks:
-                for slot in range(self._concurrency):
-                    tasks.start_soon(self._slot, http, slot)
+            with anyio.move_on_after(self._duration_s + self._drain_s):
+                async with anyio.create_task_group() as tasks:
+                    for slot in range(self._concurrency):
+                        tasks.start_soon(self._slot, http, slot)
         self.result.duration_s = time.monotonic() - start
         return self.result
 
@@ -121,8 +125,6 @@ class AgentClient:
             {"role": "user", "content": filler(task_tokens, spec.session_id)},
         ]
         for k, call in enumerate(spec.calls):
-            if time.monotonic() >= self._deadline:
-                return False
             if k > 0:
                 await anyio.sleep(call.think_s * self._time_scale)
                 observed = call.prompt_tokens - spec.calls[k - 1].prompt_tokens - spec.calls[k - 1].output_tokens

@@ -1,7 +1,7 @@
 """The ``sluice`` command line.
 
-Today: ``check-config``, ``policies`` and ``demo``. ``serve`` (the gateway) and ``sim`` /
-``replay`` / ``sweep`` / ``simworker`` (the simulator) join as those shells land.
+``check-config``, ``policies``, ``demo``, ``serve`` (the gateway) and the simulator's
+commands (registered from ``sim.cli``).
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def policies() -> None:
 
 @app.command(
     "demo",
-    help="Run a scripted SWE-bench-like workload on two toy workers under each policy and "
-    "print every decision the policy takes, then a comparison (virtual time, a few seconds).",
+    help="The whole system on this machine, no GPU: 4 simworkers, the gateway and a closed-loop "
+    "SWE-bench-style agent client that oversubscribes the fleet, under each policy in turn; live "
+    "per-worker utilization and programs by state, then the results side by side (about 90 s).",
 )
 def demo(
     policy: Optional[list[str]] = typer.Option(
@@ -96,40 +97,55 @@ def demo(
         metavar="NAME",
     ),
     json_path: Optional[Path] = typer.Option(
-        None, "--json", help="Also write the summary (scenario and per-policy measures) to this JSON file.",
+        None, "--json", help="Also write the results (per policy) and the setup to this JSON file.",
         metavar="PATH", dir_okay=False,
     ),
-    seed: int = typer.Option(7, "--seed", help="Seed of the RNG that draws tool times and output lengths."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary, not each decision."),
+    concurrency: int = typer.Option(32, "--concurrency", min=1, help="Agents alive at once."),
+    duration: float = typer.Option(25.0, "--duration", min=5.0,
+                                   help="Wall-clock seconds of load per policy."),
+    seed: int = typer.Option(7, "--seed", help="Workload seed (tool times, lengths, turns)."),
 ) -> None:
-    from controller.demo import DEFAULT_POLICIES, Scenario, format_summary, run_demo
+    from controller.live_demo import DEFAULT_POLICIES, DemoSetup, run_demo
     from scheduler.policies import POLICIES
 
     names = tuple(policy) if policy else DEFAULT_POLICIES
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise _fail(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
-    scenario = Scenario(seed=seed)
-    typer.echo(
-        f"Sluice demo: {scenario.programs} SWE-bench-like programs sharing a "
-        f"{scenario.shared_tokens:,}-token prompt, contexts growing to "
-        f"~{scenario.max_context_tokens:,} tokens, on {scenario.workers} toy workers of "
-        f"{scenario.capacity_tokens:,} tokens of KV each."
-    )
-    typer.echo(
-        "Each line is a decision the policy returned: virtual time, action, session, worker, "
-        "and the worker's utilization U (the policy's ledger) right after the call that returned it."
-    )
-    emit = None if quiet else typer.echo
-    result = run_demo(names, scenario, emit=emit)
-    for line in format_summary(result):
-        typer.echo(line)
-    if json_path is not None:
-        try:
-            json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        except OSError as err:
-            raise _fail(f"{json_path}: cannot write ({err.strerror or err})") from None
-        typer.echo(f"\nwrote {json_path}")
+    setup = DemoSetup(concurrency=concurrency, duration_s=duration, seed=seed)
+    try:
+        run_demo(names, setup, typer.echo, json_path)
+    except RuntimeError as err:
+        raise _fail(str(err)) from None
+
+
+@app.command(
+    "serve",
+    help="Run the gateway: the OpenAI/Anthropic-compatible proxy that admits programs onto the "
+    "workers listed in the config (see configs/example.yaml). Stops cleanly on Ctrl-C / SIGTERM; "
+    "reloads the policy thresholds on SIGHUP or when the file changes.",
+)
+def serve(
+    config: Path = typer.Option(..., "--config", "-c", help="The Sluice YAML file.", metavar="PATH"),
+    host: Optional[str] = typer.Option(None, "--host", help="Override listen.host from the file."),
+    port: Optional[int] = typer.Option(None, "--port", min=0, max=65535,
+                                       help="Override listen.port from the file."),
+) -> None:
+    import uvicorn
+
+    from controller.gateway import create_app
+    from controller.serve_config import load_serve_config
+    from scheduler.config import ConfigError
+
+    try:
+        settings = load_serve_config(config)
+    except ConfigError as err:
+        raise _fail(str(err)) from None
+    listen_host = host or settings.listen.host
+    listen_port = settings.listen.port if port is None else port
+    app_ = create_app(settings)
+    uvicorn.run(app_, host=listen_host, port=listen_port, log_level="warning",
+                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
 
 
 def _register_simulator_commands() -> None:

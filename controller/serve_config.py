@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from scheduler.config import ConfigError, PolicyConfig, _format_errors, load_yaml_text, parse_policy_config
 
@@ -129,14 +129,15 @@ class ServeConfig(_Strict):
             raise ValueError(f"must be one of debug, info, warning, error, critical, got {value!r}")
         return level
 
-    @model_validator(mode="after")
-    def _unique_worker_names(self) -> ServeConfig:
+    @field_validator("workers")
+    @classmethod
+    def _unique_worker_names(cls, workers: list[WorkerConfig]) -> list[WorkerConfig]:
         seen: set[str] = set()
-        for worker in self.workers:
+        for worker in workers:
             if worker.name in seen:
                 raise ValueError(f"worker name {worker.name!r} appears twice")
             seen.add(worker.name)
-        return self
+        return workers
 
     @property
     def path(self) -> Path | None:

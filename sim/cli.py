@@ -113,6 +113,7 @@ def replay(
         raise _fail(f"{trace}: {err}") from None
     if not programs:
         raise _fail(f"{trace}: the trace holds no requests")
+    _check_fits(programs, preset, block_size, trace)
     span = trace_span_s(programs)
     typer.echo(f"{trace}: {sum(len(p.calls) for p in programs):,} calls in {len(programs):,} "
                f"sessions over {span:,.0f} s (block size {block_size})", err=True)
@@ -130,6 +131,19 @@ def replay(
                   "policies": names}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
+
+
+def _check_fits(programs, preset: str, block_size: int, trace: Path) -> None:
+    """A call whose prompt and output exceed a worker's whole KV pool can never run."""
+    model = presets()[preset]
+    capacity = model.kv_capacity_tokens // block_size * block_size
+    for spec in programs:
+        for k, call in enumerate(spec.calls):
+            need = call.prompt_tokens + call.output_tokens
+            if need > capacity:
+                raise _fail(f"{trace}: session {spec.session_id} call {k} needs {need:,} tokens of "
+                            f"KV, more than a worker's whole pool ({capacity:,}) under preset "
+                            f"{preset!r}")
 
 
 def _fresh(programs):
@@ -171,7 +185,10 @@ def list_presets() -> None:
 
 
 def register(app: typer.Typer) -> None:
+    from sim.simworker_cli import simworker
+
     app.command("sim")(sim)
     app.command("replay")(replay)
     app.command("sweep")(sweep)
     app.command("presets")(list_presets)
+    app.command("simworker")(simworker)

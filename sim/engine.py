@@ -17,9 +17,17 @@ It follows vLLM v1's scheduler where it matters for caching and throughput:
 Speed: an iteration is computed one at a time only when the batch composition can change.
 While every running request is decoding and nothing waiting can be admitted, the next
 ``k`` iterations are identical but for growing contexts, so they are taken as one *decode
-run* whose duration has a closed form; blocks are allocated when the run ends (no block is
-freed during it, so the same blocks are evicted in the same order). An arrival truncates
-the run at the first iteration boundary after it.
+run* whose duration has a closed form; blocks are allocated and cached when the run ends,
+replayed in the order single iterations would take them (no block is freed during it, so
+each request gets the same blocks, the same blocks are evicted in the same order and the
+KV events are the same). An arrival truncates the run at the first iteration boundary
+after it.
+
+For the simworker (sim/simworker.py), which runs this model in scaled real time behind an
+HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunks), a
+request can carry its token ids (put on ``BlockStored`` events as vLLM does) and ask for
+``kv_cache_report_mode: "full"`` on its own, and ``abort`` drops a call whose client went
+away. None of these changes anything for callers that do not use them.
 """
 
 from __future__ import annotations
@@ -61,6 +69,11 @@ class EngineRequest:
     finished_at: float | None = None
     preemptions: int = 0
     order: int = 0
+    # the sequence's token ids (prompt then output), when the caller has them: they go on
+    # BlockStored events; without them events carry an empty token list
+    token_ids: Sequence[int] | None = None
+    # this request reports its prefix hits (vLLM's per-request kv_cache_report_mode "full")
+    report_reuse: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -154,8 +167,12 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------------------
 
-    def start(self, now: float) -> float | None:
-        """Begin the next iteration (or decode run) at ``now``; returns when it ends."""
+    def start(self, now: float, *, max_run_steps: int | None = None,
+              max_run_s: float | None = None) -> float | None:
+        """Begin the next iteration (or decode run) at ``now``; returns when it ends.
+
+        ``max_run_steps`` / ``max_run_s`` cap a decode run (a run cut to one step is taken
+        as a plain iteration); the time cap is reached, not undercut, by the last step."""
         if self.busy_until is not None:
             raise RuntimeError(f"{self.name}: start() while busy until {self.busy_until}")
         if not self.running and not self.waiting:
@@ -163,6 +180,12 @@ class Engine:
         run_steps = self._decode_run_length()
         if run_steps >= 2:
             context = sum(r.num_computed + 1 for r in self.running)
+            if max_run_steps is not None:
+                run_steps = min(run_steps, max_run_steps)
+            if max_run_s is not None:
+                run_steps = min(run_steps, self.model.decode_steps_within(len(self.running), context,
+                                                                          max_run_s))
+        if run_steps >= 2:
             self._run = _DecodeRun(list(self.running), now, run_steps, context)
             self.busy_until = now + self.model.decode_run_s(len(self.running), context, run_steps)
             self.stats.decode_runs += 1
@@ -235,9 +258,12 @@ class Engine:
                 request.block_ids.extend(pool.get_new_blocks(need, at))
             num_full = min(computed // bs, len(request.hashes))
             if num_full > request.num_cached_blocks:
+                tokens = request.token_ids
                 pool.cache_full_blocks(request.block_ids, request.hashes, request.num_cached_blocks,
                                        num_full, session_id=request.session_id,
-                                       continuation_id=request.continuation_id)
+                                       continuation_id=request.continuation_id,
+                                       token_ids=None if tokens is None
+                                       else tokens[request.num_cached_blocks * bs:num_full * bs])
                 request.num_cached_blocks = num_full
         done: list[EngineRequest] = []
         for request, c0 in zip(requests, starts):
@@ -361,9 +387,11 @@ class Engine:
             heapq.heappop(self.waiting)
             hit_tokens = len(hit) * bs
             pool.touch(hit)
-            if self.report_reuse and hit:
+            if (self.report_reuse or request.report_reuse) and hit:
+                tokens = request.token_ids
                 pool.emit_cached_block_events(request.hashes, len(hit), session_id=request.session_id,
-                                              continuation_id=request.continuation_id)
+                                              continuation_id=request.continuation_id,
+                                              token_ids=None if tokens is None else tokens[:hit_tokens])
             request.block_ids = hit + pool.get_new_blocks(new_blocks, now)
             request.num_cached_blocks = len(hit)
             request.num_computed = hit_tokens
@@ -390,12 +418,43 @@ class Engine:
             self.stats.cached_tokens += min(hit_tokens, request.prompt_tokens)
 
     def _cache(self, request: EngineRequest, computed_after: int) -> None:
-        num_full = min(computed_after // self.block_size, len(request.hashes), request.seq_len // self.block_size)
+        bs = self.block_size
+        num_full = min(computed_after // bs, len(request.hashes), request.seq_len // bs)
         if num_full > request.num_cached_blocks:
+            tokens = request.token_ids
             self.pool.cache_full_blocks(request.block_ids, request.hashes, request.num_cached_blocks,
                                         num_full, session_id=request.session_id,
-                                        continuation_id=request.continuation_id)
+                                        continuation_id=request.continuation_id,
+                                        token_ids=None if tokens is None
+                                        else tokens[request.num_cached_blocks * bs:num_full * bs])
             request.num_cached_blocks = num_full
+
+    def abort(self, request_id: str) -> EngineRequest | None:
+        """Drop a call that is no longer wanted (its client went away), as vLLM's abort does:
+        out of the waiting queue, or out of the batch and any iteration or decode run in
+        progress (which still ends when planned); its blocks are freed in reverse order and
+        the cached ones stay cached. Nothing is sampled for it afterwards and it does not
+        count as finished. Returns the request, or None if the engine does not hold it
+        (finished or unknown)."""
+        for index, (_, _, request) in enumerate(self.waiting):
+            if request.request_id == request_id:
+                self.waiting[index] = self.waiting[-1]
+                self.waiting.pop()
+                heapq.heapify(self.waiting)
+                return request  # a waiting request holds no blocks (preemption freed them)
+        for request in self.running:
+            if request.request_id == request_id:
+                break
+        else:
+            return None
+        self.running.remove(request)
+        if self._step is not None:
+            self._step = [(r, n) for r, n in self._step if r is not request]
+        if self._run is not None:
+            self._run.requests = [r for r in self._run.requests if r is not request]
+        self.pool.free_blocks(reversed(request.block_ids), request.session_id)
+        request.block_ids = []
+        return request
 
     def _preempt(self, request: EngineRequest) -> None:
         # what it had computed is lost (the tokens scheduled in this iteration never ran)

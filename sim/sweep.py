@@ -72,7 +72,12 @@ def load_sweep(text: str, source: str) -> tuple[SweepConfig, PolicyConfig]:
             for e in err.errors()
         )
         raise ConfigError(problems) from None
-    return sweep, parse_policy_config(sweep.policy, "policy")
+    try:
+        policy_config = parse_policy_config(sweep.policy, "policy")
+    except ConfigError as err:
+        # name the file on every line, like the errors in the rest of the sweep file
+        raise ConfigError("\n".join(f"{source}: {line}" for line in str(err).splitlines())) from None
+    return sweep, policy_config
 
 
 def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:

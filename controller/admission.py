@@ -1,0 +1,250 @@
+"""The shell around a :class:`~scheduler.policies.base.Policy`: it feeds observations in and
+carries out what comes back; it decides nothing itself.
+
+- Every policy call runs under one lock, with ``now`` from the injected clock.
+- A held call waits on its own :class:`anyio.Event` (no polling) until an :class:`Admit`
+  for its request id comes back from a later completion, abort or tick.
+- A periodic tick runs every ``policy.tick_interval_s`` (re-read each time, so a hot reload
+  applies), and one runs after each completion or abort when the policy asks for it
+  (``ticks_after_completion``).
+- Actions: ``Admit`` wakes its waiter with the worker; ``Release`` refuses the released
+  program's held calls (503) and, like ``Retain``/``Demote``, goes to the
+  :class:`DirectiveSink` (a logging no-op until the directive sender exists);
+  ``Pause``/``Resume``/``Mark`` are logged (the policy counts them in ``policy.stats``).
+- A waiter cancelled (its client went away) is aborted in the policy: a held call simply
+  disappears, one admitted meanwhile ends without usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from controller.errors import UNAVAILABLE, GatewayError
+from scheduler.actions import Action, Admit, Demote, Mark, Pause, Release, Resume, Retain
+from scheduler.calls import CallRequest, Usage
+from scheduler.config import PolicyConfig
+from scheduler.policies.base import Policy, UnknownCall
+
+Directive = Retain | Demote | Release
+
+
+class DirectiveSink:
+    """Where retention directives go. The default only logs them; the directive sender
+    (KvHint envelopes to each worker's plugin socket) replaces it. ``send`` must not block:
+    it is called under the admission lock."""
+
+    def __init__(self, log: Any | None = None) -> None:
+        self._log = log
+        self.sent: dict[str, int] = {"retain": 0, "demote": 0, "release": 0}
+
+    def send(self, action: Directive) -> None:
+        kind = type(action).__name__.lower()
+        self.sent[kind] = self.sent.get(kind, 0) + 1
+        if self._log is not None:
+            self._log.debug("directive", kind=kind, session_id=action.session_id,
+                            worker=action.worker)
+
+    async def aclose(self) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Where a call goes, and how long Sluice held it first."""
+
+    worker: str
+    priority: float
+    resumed: bool
+    held_s: float
+
+
+class _Waiter:
+    __slots__ = ("request", "event", "outcome", "held_at")
+
+    def __init__(self, request: CallRequest, held_at: float) -> None:
+        self.request = request
+        self.event = anyio.Event()
+        self.outcome: Admitted | GatewayError | None = None
+        self.held_at = held_at
+
+
+class Admission:
+    def __init__(self, policy: Policy, *, clock: Callable[[], float], log: Any,
+                 sink: DirectiveSink | None = None) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._log = log
+        self.sink = sink if sink is not None else DirectiveSink(log)
+        self._lock = anyio.Lock()
+        self._waiters: dict[str, _Waiter] = {}
+        self._tick_after = getattr(policy, "ticks_after_completion", True)
+
+    @property
+    def held(self) -> int:
+        return len(self._waiters)
+
+    # -- calls -------------------------------------------------------------------------
+
+    async def arrive(self, request: CallRequest) -> Admitted:
+        """Admit ``request`` now or wait until the policy admits it. Raises GatewayError
+        (503) when its program is released while it waits. Cancelling the wait (the client
+        went away) aborts the call in the policy."""
+        async with self._lock:
+            now = self._clock()
+            decision = self.policy.on_arrival(request, now)
+            if isinstance(decision, Admit):
+                return Admitted(decision.worker, decision.priority, decision.resumed, 0.0)
+            waiter = _Waiter(request, now)
+            self._waiters[request.request_id] = waiter
+            self._log.info("call held", request_id=request.request_id,
+                           session_id=request.session_id, reason=decision.reason)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._abandon(waiter)
+            raise
+        outcome = waiter.outcome
+        if isinstance(outcome, GatewayError):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    async def complete(self, request_id: str, usage: Usage) -> None:
+        async with self._lock:
+            now = self._clock()
+            try:
+                actions = self.policy.on_complete(request_id, usage, now)
+            except UnknownCall:
+                self._log.error("completion of an unknown call", request_id=request_id)
+                return
+            if self._tick_after:
+                actions += self.policy.tick(now)
+            self._carry_out(actions, now)
+
+    async def abort(self, request_id: str) -> None:
+        """A dispatched call ended without a usable response (error or disconnect)."""
+        async with self._lock:
+            now = self._clock()
+            try:
+                actions = self.policy.on_abort(request_id, now)
+            except UnknownCall:
+                self._log.error("abort of an unknown call", request_id=request_id)
+                return
+            if self._tick_after:
+                actions += self.policy.tick(now)
+            self._carry_out(actions, now)
+
+    async def _abandon(self, waiter: _Waiter) -> None:
+        request_id = waiter.request.request_id
+        async with self._lock:
+            now = self._clock()
+            outcome = waiter.outcome
+            if isinstance(outcome, GatewayError):
+                return  # refused: the policy dropped it already
+            if outcome is None:
+                self._waiters.pop(request_id, None)
+            self._log.info("client left", request_id=request_id,
+                           session_id=waiter.request.session_id,
+                           state="held" if outcome is None else "admitted")
+            try:
+                actions = self.policy.on_abort(request_id, now)
+            except UnknownCall:
+                self._log.error("abort of an unknown call", request_id=request_id)
+                return
+            if outcome is not None and self._tick_after:
+                actions += self.policy.tick(now)
+            self._carry_out(actions, now)
+
+    # -- periodic and operator actions ---------------------------------------------------
+
+    async def tick(self) -> None:
+        async with self._lock:
+            now = self._clock()
+            self._carry_out(self.policy.tick(now), now)
+
+    async def run_ticks(self) -> None:
+        """Tick every ``policy.tick_interval_s`` until cancelled; a failing tick is logged
+        with its context and the loop goes on (the next tick sees fresh state)."""
+        while True:
+            await anyio.sleep(self.policy.tick_interval_s)
+            try:
+                await self.tick()
+            except Exception:
+                self._log.exception("tick failed", policy=self.policy.name,
+                                     programs=len(self.policy.programs), held=self.held)
+
+    async def release(self, session_id: str, reason: str) -> bool:
+        """End a program (operator); False when there is no such program."""
+        async with self._lock:
+            if session_id not in self.policy.programs:
+                return False
+            now = self._clock()
+            actions = self.policy.release(session_id, now, reason)
+            actions += self.policy.tick(now)
+            self._carry_out(actions, now)
+            return True
+
+    async def set_worker_health(self, worker: str, healthy: bool) -> None:
+        async with self._lock:
+            now = self._clock()
+            actions = self.policy.set_worker_health(worker, healthy, now)
+            actions += self.policy.tick(now)
+            self._carry_out(actions, now)
+
+    async def set_capacity(self, worker: str, capacity_tokens: int) -> None:
+        async with self._lock:
+            now = self._clock()
+            self.policy.set_capacity(worker, capacity_tokens)
+            self._carry_out(self.policy.tick(now), now)
+
+    async def reconfigure(self, config: PolicyConfig) -> None:
+        """Swap the policy's thresholds; ValueError when the policy kind would change."""
+        async with self._lock:
+            self.policy.reconfigure(config)
+
+    # -- carrying out ----------------------------------------------------------------------
+
+    def _carry_out(self, actions: list[Action], now: float) -> None:
+        for action in actions:
+            if isinstance(action, Admit):
+                self._wake(action, now)
+            elif isinstance(action, Release):
+                self._refuse_held(action)
+                self.sink.send(action)
+                self._log.info("program released", session_id=action.session_id,
+                               worker=action.worker, reason=action.reason)
+            elif isinstance(action, (Retain, Demote)):
+                self.sink.send(action)
+            elif isinstance(action, Pause):
+                self._log.info("program paused", session_id=action.session_id, worker=action.worker)
+            elif isinstance(action, Resume):
+                self._log.info("program resumed", session_id=action.session_id,
+                               worker=action.worker, forced=action.forced)
+            elif isinstance(action, Mark):
+                self._log.info("program marked", session_id=action.session_id, worker=action.worker)
+
+    def _wake(self, action: Admit, now: float) -> None:
+        waiter = self._waiters.pop(action.request_id, None)
+        if waiter is None:
+            self._log.error("admit for a call nobody waits on", request_id=action.request_id,
+                            session_id=action.session_id, worker=action.worker)
+            return
+        waiter.outcome = Admitted(action.worker, action.priority, action.resumed,
+                                  max(0.0, now - waiter.held_at))
+        waiter.event.set()
+
+    def _refuse_held(self, action: Release) -> None:
+        for request_id, waiter in list(self._waiters.items()):
+            if waiter.request.session_id != action.session_id:
+                continue
+            del self._waiters[request_id]
+            waiter.outcome = GatewayError(
+                503, f"program {action.session_id} was released ({action.reason}) while this "
+                "call waited", UNAVAILABLE,
+            )
+            waiter.event.set()

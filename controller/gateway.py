@@ -1,0 +1,579 @@
+"""The gateway: an OpenAI/Anthropic-compatible proxy that admits programs.
+
+:func:`create_app` builds everything from a :class:`ServeConfig` (no globals; nothing is
+started until the app's lifespan starts the tick loop, health checks, capacity probes and
+config watcher, and stops them again).
+
+One call, in order:
+
+1. The body is read (``max_body_bytes``, else 413) and parsed (else 400).
+2. Its identity is resolved (:func:`controller.identity.resolve_identity`; an invalid id is
+   a 400 naming the header or field).
+3. The policy admits it now or holds it (:class:`controller.admission.Admission`); a held
+   call waits without polling. Its client going away aborts it in the policy.
+4. It is forwarded to the admitted worker with ``session_id``, ``X-Session-ID`` and
+   ``vllm_xargs.continuation_id`` set. A non-streaming answer is passed on whole; a stream
+   is passed on as it arrives (minus the usage chunk Sluice asked for on the client's
+   behalf). The client leaving mid-stream closes the upstream request.
+5. The real usage goes to the policy (``on_complete``; a tick follows), and a
+   ``request_end`` record to the request log.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import IO, Any
+
+import anyio
+import httpx
+import msgspec
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from controller.admission import Admission, Admitted, DirectiveSink
+from controller.errors import (
+    INTERNAL,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    TOO_LARGE,
+    UNAVAILABLE,
+    GatewayError,
+    error_response,
+)
+from controller.identity import ROUTES, Identity, IdentityError, resolve_identity
+from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
+from controller.serve_config import ServeConfig
+from controller.upstream import (
+    StreamTap,
+    UpstreamPool,
+    UsageCounts,
+    decode_json,
+    find_response_id,
+    find_usage,
+    forward_headers,
+    open_upstream,
+    prepare_body,
+    response_headers,
+    transport_error,
+)
+from controller.workers import WorkerRegistry
+from scheduler.calls import CallRequest
+from scheduler.policies import make_policy
+
+# A body over the limit is still read (and dropped) up to this much, so the client gets
+# its 413 instead of a connection reset in the middle of its upload.
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+RESPONSE_SESSIONS_KEPT = 100_000
+MODELS_TIMEOUT_S = 5.0
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+_encode = msgspec.json.Encoder().encode
+_decoder = msgspec.json.Decoder()
+
+
+def make_logger(level: str = "info", stream: IO[str] | None = None) -> Any:
+    """A JSON-lines structlog logger of the app's own (structlog's global config untouched)."""
+    return structlog.wrap_logger(
+        structlog.PrintLogger(stream if stream is not None else sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_name="sluice.gateway",
+    )
+
+
+class ResponseSessions:
+    """Responses API ids → the session that produced them (for ``previous_response_id``)."""
+
+    def __init__(self, limit: int = RESPONSE_SESSIONS_KEPT) -> None:
+        self._limit = limit
+        self._map: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, response_id: str) -> str | None:
+        return self._map.get(response_id)
+
+    def put(self, response_id: str, session_id: str) -> None:
+        self._map[response_id] = session_id
+        self._map.move_to_end(response_id)
+        if len(self._map) > self._limit:
+            self._map.popitem(last=False)
+
+
+@dataclass(slots=True)
+class Parts:
+    """What one app is made of (``app.state.sluice``): tests and the demo look inside."""
+
+    config: ServeConfig
+    admission: Admission
+    pool: UpstreamPool
+    workers: WorkerRegistry
+    metrics: Metrics
+    request_log: RequestLog
+    reloader: ConfigReloader
+    responses: ResponseSessions
+    log: Any
+
+
+def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monotonic,
+               wall_clock: Callable[[], float] = time.time,
+               directive_sink: DirectiveSink | None = None,
+               log_stream: IO[str] | None = None) -> Starlette:
+    """Build the gateway for ``config``. ``clock`` is the policy's (monotonic) time;
+    ``wall_clock`` stamps request records and worker checks."""
+    log = make_logger(config.log_level, log_stream)
+    policy = make_policy(config.policy)
+    for worker in config.workers:
+        policy.add_worker(worker.name, worker.capacity_tokens)
+    admission = Admission(policy, clock=clock, log=log, sink=directive_sink)
+    pool = UpstreamPool(config.workers, config.upstream)
+    workers = WorkerRegistry(config, pool, admission, log, wall_clock)
+    metrics = Metrics(admission)
+    request_log = RequestLog(config.request_log, log)
+    reloader = ConfigReloader(config, admission, metrics, log, wall_clock)
+    parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
+                  ResponseSessions(), log)
+    gateway = _Gateway(parts, clock, wall_clock)
+    admin = AdminApi(config.resolved_admin_token(), admission, workers, reloader, clock)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        request_log.open()
+        log.info("gateway starting", policy=policy.name, workers=[w.name for w in config.workers],
+                 config=str(config.path) if config.path else None)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(admission.run_ticks)
+                tg.start_soon(workers.run)
+                tg.start_soon(reloader.run)
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await pool.aclose()
+                await admission.sink.aclose()
+            request_log.close()
+            log.info("gateway stopped")
+
+    routes = [Route(path, gateway.proxy, methods=["POST"]) for path in sorted(ROUTES)]
+    routes += [
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.metrics, methods=["GET"]),
+        *admin.routes(),
+    ]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error_response(404, f"no route {request.method} {request.url.path}", NOT_FOUND)
+        if exc.status_code == 405:
+            return error_response(405, f"{request.url.path} does not accept {request.method}",
+                                  INVALID_REQUEST)
+        return error_response(exc.status_code, str(exc.detail), INVALID_REQUEST)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error", path=request.url.path, exc_info=exc)
+        return error_response(500, "internal error in the gateway", INTERNAL)
+
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
+    )
+    app.state.sluice = parts
+    return app
+
+
+class _Gateway:
+    def __init__(self, parts: Parts, clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.clock = clock
+        self.wall = wall_clock
+        self.log = parts.log
+
+    # -- the proxied routes -----------------------------------------------------------
+
+    async def proxy(self, request: Request) -> Response:
+        received, received_wall = self.clock(), self.wall()
+        route = request.url.path
+        try:
+            body_bytes = await self._read_body(request)
+            body = self._parse(body_bytes)
+            identity, forward = resolve_identity(route, request.headers, body,
+                                                 self.parts.responses.get)
+        except GatewayError as err:
+            self.parts.metrics.requests.labels(route, str(err.status)).inc()
+            return err.response()
+        except IdentityError as err:
+            self.parts.metrics.requests.labels(route, "400").inc()
+            return error_response(400, str(err), INVALID_REQUEST, param=err.source)
+        request_id = f"sluice-{uuid.uuid4().hex}"
+        call = CallRequest(
+            request_id=request_id,
+            session_id=identity.session_id,
+            prompt_tokens=identity.prompt_tokens,
+            max_output_tokens=_max_output(forward),
+            parent_session_id=identity.parent_session_id,
+            chain=identity.chain,
+            chain_tokens=identity.chain_tokens,
+            final=identity.final,
+        )
+        stream = forward.get("stream") is True
+        drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
+        return _ProxyCall(self, route, request, call, identity, _encode(forward), stream,
+                          drop_usage, received, received_wall)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        too_large = GatewayError(413, f"request body is over the limit of {limit} bytes",
+                                 TOO_LARGE)
+        chunks = request.stream()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _drain(chunks, int(declared))
+            raise too_large
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                await _drain(chunks, size)
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)
+
+    @staticmethod
+    def _parse(body_bytes: bytes) -> dict:
+        if not body_bytes:
+            raise GatewayError(400, "request body is empty; expected a JSON object", INVALID_REQUEST)
+        try:
+            body = _decoder.decode(body_bytes)
+        except msgspec.DecodeError as err:
+            raise GatewayError(400, f"request body is not valid JSON: {err}", INVALID_REQUEST) from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object", INVALID_REQUEST)
+        return body
+
+    # -- other routes -----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        if self.config.models is not None:
+            created = int(self.wall())
+            data = [{"id": m, "object": "model", "created": created, "owned_by": "sluice"}
+                    for m in self.config.models]
+            return JSONResponse({"object": "list", "data": data})
+        names = self.parts.workers.healthy_names()
+        answers: dict[str, list[dict]] = {}
+
+        async def ask(name: str) -> None:
+            try:
+                response = await self.parts.pool.client(name).get("/v1/models", timeout=MODELS_TIMEOUT_S)
+                if response.status_code == 200:
+                    data = decode_json(response.content)
+                    if isinstance(data, dict) and isinstance(data.get("data"), list):
+                        answers[name] = [m for m in data["data"] if isinstance(m, dict)]
+            except httpx.HTTPError as err:
+                self.log.warning("worker /v1/models failed", worker=name, problem=str(err))
+
+        async with anyio.create_task_group() as tg:
+            for name in names:
+                tg.start_soon(ask, name)
+        if not answers:
+            return error_response(503, "no healthy worker answered /v1/models", UNAVAILABLE)
+        merged: dict[str, dict] = {}
+        for name in names:  # config order, so the answer is stable
+            for model in answers.get(name, []):
+                merged.setdefault(str(model.get("id")), model)
+        return JSONResponse({"object": "list", "data": list(merged.values())})
+
+    async def health(self, request: Request) -> Response:
+        states = self.parts.workers.states.values()
+        healthy = sum(1 for s in states if s.healthy)
+        body = {"status": "ok" if healthy else "unavailable", "workers_healthy": healthy,
+                "workers": len(self.parts.workers.states)}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return self.parts.metrics.render()
+
+
+async def _drain(chunks: AsyncIterator[bytes], expected: int) -> None:
+    """Read and drop the rest of a refused body (up to DRAIN_LIMIT_BYTES)."""
+    if expected > DRAIN_LIMIT_BYTES:
+        return  # not worth reading; the client sees the connection close
+    seen = expected
+    async for chunk in chunks:
+        seen += len(chunk)
+        if seen > DRAIN_LIMIT_BYTES:
+            return
+
+
+def _max_output(body: dict) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+class _ProxyCall(Response):
+    """The rest of one call, run as the ASGI response so it can watch for the client going
+    away the whole time: while held, while the worker computes, while streaming."""
+
+    def __init__(self, gateway: _Gateway, route: str, request: Request, call: CallRequest,
+                 identity: Identity, content: bytes, stream: bool, drop_usage: bool,
+                 received: float, received_wall: float) -> None:
+        self.g = gateway
+        self.route = route
+        self.path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        self.raw_headers_in = request.headers.raw
+        self.call = call
+        self.identity = identity
+        self.content = content
+        self.stream = stream
+        self.drop_usage = drop_usage
+        self.received = received
+        self.received_wall = received_wall
+        self.admitted: Admitted | None = None
+        self.accounted = False  # the policy heard how the call ended
+        self.finished = False   # the last byte to the client is on its way
+        self.started = False    # response headers sent
+        self.status = 0
+        self.sent_upstream_at: float | None = None
+        self.first_byte_at: float | None = None
+        self._send: Send | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._send = send
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        if not self.finished:
+                            tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            try:
+                await self._run()
+            finally:
+                tg.cancel_scope.cancel()
+        if not self.finished:
+            self.g.parts.metrics.requests.labels(self.route, "499").inc()
+            self.g.log.info("client disconnected", request_id=self.call.request_id,
+                            session_id=self.call.session_id,
+                            stage="held" if self.admitted is None else
+                            ("streaming" if self.started else "upstream"))
+
+    # -- the call ---------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        parts = self.g.parts
+        if not parts.workers.healthy_names():
+            # Nothing to hold for: answer now and let the client retry. (A worker whose
+            # capacity is still unknown is healthy; its calls wait for the capacity.)
+            await self._send_error(GatewayError(
+                503, "no healthy worker: every worker fails its health checks", UNAVAILABLE))
+            return
+        try:
+            self.admitted = await parts.admission.arrive(self.call)
+        except GatewayError as err:
+            await self._send_error(err)
+            return
+        except Exception:
+            self.g.log.exception("admission failed", request_id=self.call.request_id,
+                                 session_id=self.call.session_id)
+            await self._send_error(GatewayError(500, "internal error while admitting the call", INTERNAL))
+            return
+        if self.admitted.held_s > 0:
+            parts.metrics.hold_seconds.observe(self.admitted.held_s)
+        worker = self.admitted.worker
+        response: httpx.Response | None = None
+        try:
+            headers = forward_headers(self.raw_headers_in, self.call.session_id)
+            self.sent_upstream_at = self.g.clock()
+            try:
+                response = await open_upstream(parts.pool.client(worker), worker, self.path,
+                                               self.content, headers)
+            except GatewayError as err:
+                await self._account(None)
+                self.g.log.warning("upstream failed", request_id=self.call.request_id,
+                                   session_id=self.call.session_id, worker=worker,
+                                   status=err.status, problem=err.message)
+                await self._send_error(err)
+                return
+            if self.stream and 200 <= response.status_code < 300:
+                await self._relay_stream(response, worker)
+            else:
+                await self._relay_whole(response, worker)
+        except Exception:
+            self.g.log.exception("call failed", request_id=self.call.request_id,
+                                 session_id=self.call.session_id, worker=worker)
+            if not self.started:
+                await self._send_error(GatewayError(500, "internal error in the gateway", INTERNAL))
+        finally:
+            with anyio.CancelScope(shield=True):
+                if response is not None:
+                    await response.aclose()
+                if not self.accounted:
+                    await self._account(None)
+
+    async def _relay_whole(self, response: httpx.Response, worker: str) -> None:
+        try:
+            body = await response.aread()
+        except httpx.HTTPError as err:
+            await self._account(None)
+            await self._send_error(transport_error(worker, err, mid_stream=True))
+            return
+        self.first_byte_at = self.g.clock()
+        counts = UsageCounts()
+        ok = 200 <= response.status_code < 300
+        if ok:
+            obj = decode_json(body)
+            usage = find_usage(obj)
+            if usage is not None:
+                counts.update(usage)
+            response_id = find_response_id(obj)
+            if response_id is not None:
+                self.g.parts.responses.put(response_id, self.call.session_id)
+            await self._account(counts)
+        else:
+            await self._account(None)  # the worker refused it: nothing ran
+        headers = response_headers(response.headers)
+        headers.append((b"content-length", str(len(body)).encode()))
+        self.status = response.status_code
+        self._observe(worker, counts if ok else None)
+        self.finished = True
+        await self._start(response.status_code, headers)
+        await self._body(body, more=False)
+
+    async def _relay_stream(self, response: httpx.Response, worker: str) -> None:
+        tap = StreamTap(self.drop_usage)
+        await self._start(response.status_code, response_headers(response.headers))
+        try:
+            async for chunk in response.aiter_raw():
+                if self.first_byte_at is None:
+                    self.first_byte_at = self.g.clock()
+                out = tap.feed(chunk)
+                if tap.done and not self.accounted:
+                    await self._finish_stream(tap)
+                if out:
+                    await self._body(out)
+            rest = tap.flush()
+            if rest:
+                await self._body(rest)
+        except httpx.HTTPError as err:
+            error = transport_error(worker, err, mid_stream=True)
+            self.g.log.warning("upstream stream broke", request_id=self.call.request_id,
+                               session_id=self.call.session_id, worker=worker, problem=error.message)
+            if not self.accounted:
+                await self._account(None)
+            self.finished = True
+            await self._body(b"data: " + _encode(error.body()) + b"\n\n", more=False)
+            return
+        if not self.accounted:
+            await self._finish_stream(tap)
+        self._observe(worker, tap.usage)
+        self.finished = True
+        await self._body(b"", more=False)
+
+    async def _finish_stream(self, tap: StreamTap) -> None:
+        if tap.response_id is not None:
+            self.g.parts.responses.put(tap.response_id, self.call.session_id)
+        await self._account(tap.usage)
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    async def _account(self, counts: UsageCounts | None) -> None:
+        """Tell the policy how the call ended (once); shielded, so a client leaving at that
+        moment cannot leave the policy thinking the call still runs."""
+        if self.accounted:
+            return
+        self.accounted = True
+        with anyio.CancelScope(shield=True):
+            admission = self.g.parts.admission
+            if counts is None:
+                await admission.abort(self.call.request_id)
+                return
+            if not counts.known:
+                self.g.log.info("no usage in the response; using the estimate",
+                                request_id=self.call.request_id, route=self.route)
+            await admission.complete(self.call.request_id, counts.to_usage(self.identity.prompt_tokens))
+
+    def _observe(self, worker: str, counts: UsageCounts | None) -> None:
+        parts = self.g.parts
+        now = self.g.clock()
+        parts.metrics.requests.labels(self.route, str(self.status)).inc()
+        if self.sent_upstream_at is not None:
+            parts.metrics.upstream_seconds.labels(worker, "true" if self.stream else "false").observe(
+                now - self.sent_upstream_at)
+            if self.first_byte_at is not None:
+                parts.metrics.ttft_seconds.labels(worker).observe(self.first_byte_at - self.sent_upstream_at)
+        if counts is None:
+            return
+        usage = counts.to_usage(self.identity.prompt_tokens)
+        held = self.admitted.held_s if self.admitted is not None else 0.0
+        ttft = (self.first_byte_at - self.received) if (self.stream and self.first_byte_at) else None
+        parts.request_log.write(request_end_record(
+            request_id=self.call.request_id,
+            session_id=self.call.session_id,
+            parent_session_id=self.call.parent_session_id,
+            model=self.identity.model,
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            received_unix_s=self.received_wall,
+            total_s=now - self.received,
+            ttft_s=ttft,
+            queue_s=held,
+            now_unix_s=self.g.wall(),
+            extra={"worker": worker, "route": self.route, "stream": self.stream,
+                   "status": self.status, "identity_source": self.identity.source},
+        ))
+        self.g.log.info("call done", request_id=self.call.request_id,
+                        session_id=self.call.session_id, worker=worker, route=self.route,
+                        status=self.status, stream=self.stream, held_s=round(held, 4),
+                        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                        cached_tokens=usage.cached_tokens)
+
+    # -- ASGI -------------------------------------------------------------------------
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        assert self._send is not None
+        self.started = True
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _body(self, data: bytes, more: bool = True) -> None:
+        assert self._send is not None
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _send_error(self, err: GatewayError) -> None:
+        if self.started:
+            return
+        body = _encode(err.body())
+        self.finished = True
+        await self._start(err.status, [(b"content-type", b"application/json"),
+                                       (b"content-length", str(len(body)).encode())])
+        await self._body(body, more=False)
+        self.g.parts.metrics.requests.labels(self.route, str(err.status)).inc()

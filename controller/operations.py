@@ -1,0 +1,392 @@
+"""What an operator sees and touches: metrics, the admin API, request records, hot reload.
+
+- :class:`Metrics`: Prometheus metrics on the app's own :class:`CollectorRegistry`. Program
+  counts by state, the policy's counters (pauses, resumes, marks, forced resumes, holds, …)
+  and per-worker utilization are read from the policy when scraped, so they cannot drift
+  from it; hold time, upstream latency and requests are recorded as calls end.
+- :class:`AdminApi`: ``GET /sluice/programs``, ``GET /sluice/workers``, ``GET /sluice/config``,
+  ``POST /sluice/programs/{id}/release``, ``POST /sluice/reload``, all behind
+  ``Authorization: Bearer <admin_token>`` (401 without it or with a wrong one; 403 when no
+  token is configured at all).
+- :class:`RequestLog`: one ``dynamo.request.trace.v1`` ``request_end`` record per completed
+  call, appended as JSONL (opt-in: ``request_log``).
+- :class:`ConfigReloader`: re-reads the YAML file when its mtime changes (polled every
+  ``reload_poll_s``), on SIGHUP, or on ``POST /sluice/reload``; a valid file's ``policy:``
+  thresholds go to ``policy.reconfigure``; a bad file keeps the old config and logs why.
+  Other sections need a restart, and a reload that changes them says so in the log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from controller.admission import Admission
+from controller.errors import AUTHENTICATION, NOT_FOUND, PERMISSION, error_response
+from controller.serve_config import ServeConfig, load_serve_config
+from controller.workers import WorkerRegistry
+from scheduler.config import ConfigError
+from scheduler.programs import Lifecycle, Phase
+
+HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TRACE_SCHEMA = "dynamo.request.trace.v1"
+
+
+class _PolicyCollector(Collector):
+    """Reads program states, policy counters and worker load at scrape time."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[Any]:
+        policy = self._admission.policy
+        programs = GaugeMetricFamily(
+            "sluice_programs", "Programs by lifecycle and phase.", labels=["lifecycle", "phase"]
+        )
+        counts = {(lc.value, ph.value): 0 for lc in Lifecycle for ph in Phase}
+        for program in policy.programs.values():
+            counts[(program.lifecycle.value, program.phase.value)] += 1
+        for (lifecycle, phase), n in counts.items():
+            programs.add_metric([lifecycle, phase], n)
+        yield programs
+        stats = policy.stats
+        for name, value, text in (
+            ("sluice_pauses", stats.pauses, "Programs paused by the policy."),
+            ("sluice_resumes", stats.resumes, "Paused programs resumed."),
+            ("sluice_forced_resumes", stats.forced_resumes, "Programs resumed by force_resume_after_s."),
+            ("sluice_marks", stats.marks, "Programs marked to pause at their next tool boundary."),
+            ("sluice_holds", stats.held, "Calls held on arrival."),
+            ("sluice_admissions", stats.admitted, "Calls dispatched to a worker."),
+            ("sluice_releases", stats.releases, "Programs released (final, idle or operator)."),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+        yield GaugeMetricFamily("sluice_calls_held", "Calls waiting in the gateway now.",
+                                value=self._admission.held)
+        util = GaugeMetricFamily("sluice_worker_utilization",
+                                 "U of each worker (the policy's ledger); absent while its capacity is unknown.",
+                                 labels=["worker"])
+        healthy = GaugeMetricFamily("sluice_worker_healthy", "1 when the worker passes health checks.",
+                                    labels=["worker"])
+        capacity = GaugeMetricFamily("sluice_worker_capacity_tokens", "KV capacity of the worker in tokens.",
+                                     labels=["worker"])
+        placed = GaugeMetricFamily("sluice_worker_programs", "Active programs counted on the worker.",
+                                   labels=["worker"])
+        ledger = policy.ledger
+        for load in ledger.workers():
+            u = ledger.utilization(load.name)
+            if math.isfinite(u):
+                util.add_metric([load.name], u)
+            healthy.add_metric([load.name], 1.0 if load.healthy else 0.0)
+            if load.capacity_tokens:
+                capacity.add_metric([load.name], load.capacity_tokens)
+            placed.add_metric([load.name], len(load.programs))
+        yield from (util, healthy, capacity, placed)
+
+
+class Metrics:
+    def __init__(self, admission: Admission) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_PolicyCollector(admission))
+        self.hold_seconds = Histogram(
+            "sluice_hold_seconds", "Time a call was held by Sluice before it went upstream.",
+            buckets=HOLD_BUCKETS, registry=self.registry,
+        )
+        self.upstream_seconds = Histogram(
+            "sluice_upstream_latency_seconds",
+            "Time from sending a call upstream to its last byte.",
+            ["worker", "stream"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.ttft_seconds = Histogram(
+            "sluice_upstream_ttfb_seconds", "Time from sending a call upstream to its first byte.",
+            ["worker"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.requests = Counter(
+            "sluice_requests", "Calls answered, by route and status.", ["route", "status"],
+            registry=self.registry,
+        )
+        self.reloads = Counter(
+            "sluice_config_reloads", "Config reloads by result.", ["result"], registry=self.registry,
+        )
+        self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=self.registry)
+        self.up.set(1)
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class RequestLog:
+    """JSONL ``request_end`` records (Dynamo's request trace schema, v1)."""
+
+    def __init__(self, path: Path | None, log: Any) -> None:
+        self.path = path
+        self._log = log
+        self._file: IO[bytes] | None = None
+        self._encode = msgspec.json.Encoder().encode
+
+    def open(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(self._encode(record) + b"\n")
+            self._file.flush()
+        except OSError as err:
+            self._log.error("cannot write request record", path=str(self.path), problem=str(err))
+
+
+def request_end_record(*, request_id: str, session_id: str, parent_session_id: str | None,
+                       model: str | None, input_tokens: int, output_tokens: int,
+                       cached_tokens: int, received_unix_s: float, total_s: float,
+                       ttft_s: float | None, queue_s: float, now_unix_s: float,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "schema": TRACE_SCHEMA,
+        "event_type": "request_end",
+        "event_time_unix_ms": int(now_unix_s * 1000),
+        "event_source": "sluice",
+        "agent_context": {"session_id": session_id, "parent_session_id": parent_session_id},
+        "request": {
+            "request_id": request_id,
+            "model": model,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "cached_tokens": cached_tokens,
+            "request_received_ms": int(received_unix_s * 1000),
+            "total_time_ms": round(total_s * 1000, 3),
+            "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 3),
+            "queue_time_ms": round(queue_s * 1000, 3),
+        },
+    }
+    if extra:
+        record["sluice"] = extra
+    return record
+
+
+# -- hot reload ------------------------------------------------------------------------------
+
+
+class ConfigReloader:
+    def __init__(self, config: ServeConfig, admission: Admission, metrics: Metrics, log: Any,
+                 wall_clock: Callable[[], float]) -> None:
+        self.config = config
+        self.path = config.path
+        self._admission = admission
+        self._metrics = metrics
+        self._log = log
+        self._wall = wall_clock
+        self._stamp = self._file_stamp()
+        # What the file said last: a reload reports the keys it changed that need a restart
+        # (compared with the file, not with command-line overrides such as --port).
+        self._file_config = config
+        if self.path is not None:
+            try:
+                self._file_config = load_serve_config(self.path)
+            except ConfigError:
+                pass  # changed since it was loaded; compare with what runs
+        self._lock = anyio.Lock()
+        self.status: dict[str, Any] = {"ok": None, "at_unix": None, "error": None, "trigger": None}
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    async def run(self) -> None:
+        if self.path is None:
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_sighup)
+            if self.config.reload_poll_s > 0:
+                tg.start_soon(self._poll)
+
+    async def _poll(self) -> None:
+        while True:
+            await anyio.sleep(self.config.reload_poll_s)
+            stamp = self._file_stamp()
+            if stamp is not None and stamp != self._stamp:
+                try:
+                    await self.reload("file changed")
+                except Exception:
+                    self._log.exception("config reload failed", path=str(self.path))
+
+    async def _watch_sighup(self) -> None:
+        try:
+            receiver = anyio.open_signal_receiver(signal.SIGHUP)
+            signals = receiver.__enter__()
+        except (ValueError, RuntimeError, NotImplementedError) as err:
+            # Signal handlers can only be installed from the main thread (not the case when
+            # the app runs inside a test's server thread); file polling still works.
+            self._log.info("SIGHUP reload unavailable", problem=str(err))
+            return
+        try:
+            async for _ in signals:
+                try:
+                    await self.reload("SIGHUP")
+                except Exception:
+                    self._log.exception("config reload failed", path=str(self.path))
+        finally:
+            receiver.__exit__(None, None, None)
+
+    async def reload(self, trigger: str) -> bool:
+        """Apply the file's policy thresholds; False (old config kept, reason logged) when
+        the file is unusable or changes the policy kind."""
+        async with self._lock:
+            assert self.path is not None
+            self._stamp = self._file_stamp()
+            self.status.update(at_unix=self._wall(), trigger=trigger)
+            try:
+                new = load_serve_config(self.path)
+                if new.policy != self.config.policy:
+                    await self._admission.reconfigure(new.policy)
+            except (ConfigError, ValueError) as err:
+                self.status.update(ok=False, error=str(err))
+                self._metrics.reloads.labels("rejected").inc()
+                self._log.error("config reload rejected; keeping the old config",
+                                path=str(self.path), trigger=trigger, problem=str(err))
+                return False
+            restart = sorted(
+                key for key in type(new).model_fields
+                if key != "policy" and getattr(new, key) != getattr(self._file_config, key)
+            )
+            if restart:
+                self._log.warning("config keys changed that only a restart applies",
+                                  keys=restart, path=str(self.path))
+            changed = new.policy != self.config.policy
+            self._file_config = new
+            self.config = self.config.model_copy(update={"policy": new.policy})
+            self.status.update(ok=True, error=None)
+            self._metrics.reloads.labels("applied").inc()
+            self._log.info("config reloaded", path=str(self.path), trigger=trigger,
+                           policy_changed=changed)
+            return True
+
+
+# -- admin API -------------------------------------------------------------------------------
+
+
+class AdminApi:
+    def __init__(self, token: str | None, admission: Admission, workers: WorkerRegistry,
+                 reloader: ConfigReloader, clock: Callable[[], float]) -> None:
+        self._token = token.encode() if token else None
+        self._admission = admission
+        self._workers = workers
+        self._reloader = reloader
+        self._clock = clock
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/sluice/programs", self.programs, methods=["GET"]),
+            Route("/sluice/programs/{session_id:path}/release", self.release, methods=["POST"]),
+            Route("/sluice/workers", self.workers, methods=["GET"]),
+            Route("/sluice/config", self.config, methods=["GET"]),
+            Route("/sluice/reload", self.reload, methods=["POST"]),
+        ]
+
+    def _deny(self, request: Request) -> Response | None:
+        if self._token is None:
+            return error_response(403, "the admin API is off: set admin_token or the "
+                                  "admin_token_env variable", PERMISSION)
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            return error_response(401, "admin endpoints need Authorization: Bearer <admin token>",
+                                  AUTHENTICATION, headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    async def programs(self, request: Request) -> Response:
+        if (denied := self._deny(request)) is not None:
+            return denied
+        policy = self._admission.policy
+        now = self._clock()
+        items = []
+        for program in sorted(policy.programs.values(), key=lambda p: p.session_id):
+            items.append({
+                "session_id": program.session_id,
+                "parent_session_id": program.parent_session_id,
+                "lifecycle": program.lifecycle.value,
+                "phase": program.phase.value,
+                "marked": program.marked,
+                "home_worker": program.home_worker,
+                "context_tokens": program.context_tokens,
+                "in_flight": len(program.in_flight),
+                "waiting": len(program.waiting),
+                "steps": program.steps,
+                "age_s": round(now - program.created_at, 3),
+                "idle_s": round(now - program.last_activity, 3),
+            })
+        return JSONResponse({"programs": items, "count": len(items)})
+
+    async def workers(self, request: Request) -> Response:
+        if (denied := self._deny(request)) is not None:
+            return denied
+        ledger = self._admission.policy.ledger
+        items = []
+        for state in self._workers.states.values():
+            u = ledger.utilization(state.name)
+            items.append({
+                "name": state.name,
+                "url": state.url,
+                "healthy": state.healthy,
+                "capacity_tokens": state.capacity_tokens,
+                "capacity_source": state.capacity_source,
+                "capacity_error": state.capacity_error,
+                "utilization": u if math.isfinite(u) else None,
+                "programs": len(ledger.worker(state.name).programs),
+                "last_error": state.last_error,
+                "last_check_unix": state.last_check_unix,
+            })
+        return JSONResponse({"workers": items})
+
+    async def config(self, request: Request) -> Response:
+        if (denied := self._deny(request)) is not None:
+            return denied
+        return JSONResponse({
+            "policy": self._admission.policy.config.model_dump(mode="json"),
+            "path": str(self._reloader.path) if self._reloader.path else None,
+            "reload": self._reloader.status,
+        })
+
+    async def release(self, request: Request) -> Response:
+        if (denied := self._deny(request)) is not None:
+            return denied
+        session_id = request.path_params["session_id"]
+        if not await self._admission.release(session_id, "operator"):
+            return error_response(404, f"no program {session_id!r}", NOT_FOUND, param="session_id")
+        return JSONResponse({"released": session_id})
+
+    async def reload(self, request: Request) -> Response:
+        if (denied := self._deny(request)) is not None:
+            return denied
+        if self._reloader.path is None:
+            return error_response(404, "this gateway was not started from a config file", NOT_FOUND)
+        ok = await self._reloader.reload("admin API")
+        return JSONResponse({"reloaded": ok, **self._reloader.status}, status_code=200 if ok else 422)

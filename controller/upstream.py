@@ -1,0 +1,363 @@
+"""Talking to the workers: pooled clients, what is forwarded, and reading usage off streams.
+
+- One :class:`httpx.AsyncClient` per worker (:class:`UpstreamPool`), keep-alive pooled.
+- :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
+  client's ``Connection`` names), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so
+  what comes back can be passed on byte for byte.
+- :func:`prepare_body`: ``session_id`` and ``vllm_xargs.continuation_id`` set; a stream whose
+  client did not ask for usage asks for it (the gateway drops that chunk again).
+- :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
+  bytes on as they arrive; in drop mode it holds back at most one unfinished event and
+  removes exactly the usage-only chunk it asked for.
+- :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+
+from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
+from controller.serve_config import UpstreamConfig, WorkerConfig
+from scheduler.calls import Usage
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+# Not hop-by-hop, but replaced: the gateway sets them itself.
+_REPLACED = frozenset({"accept-encoding", "x-session-id"})
+# Routes whose streams carry OpenAI ``stream_options.include_usage`` chunks.
+USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+ERROR_SNIPPET_BYTES = 2048
+
+_json_decode = msgspec.json.Decoder().decode
+
+
+def _is_hop_by_hop(name: str) -> bool:
+    return name in HOP_BY_HOP or name.startswith("proxy-")
+
+
+def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the worker should see them (``raw`` as ASGI gives them)."""
+    pairs = list(raw)
+    named_by_connection: set[str] = set()
+    for name, value in pairs:
+        if name.lower() == b"connection":
+            named_by_connection.update(
+                token.strip().lower() for token in value.decode("latin-1").split(",") if token.strip()
+            )
+    out: list[tuple[bytes, bytes]] = []
+    for name, value in pairs:
+        lower = name.decode("latin-1").lower()
+        if _is_hop_by_hop(lower) or lower in _REPLACED or lower in named_by_connection:
+            continue
+        out.append((name, value))
+    out.append((b"x-session-id", session_id.encode("latin-1")))
+    out.append((b"accept-encoding", b"identity"))
+    return out
+
+
+# The gateway's own server adds these; the worker's would appear twice.
+_SERVER_SET = frozenset({"date", "server"})
+
+
+def response_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
+    """The worker's response headers as the client should see them."""
+    out = []
+    for name, value in headers.raw:
+        lower = name.decode("latin-1").lower()
+        if not _is_hop_by_hop(lower) and lower not in _SERVER_SET:
+            out.append((name, value))
+    return out
+
+
+def prepare_body(route: str, body: dict[str, Any], session_id: str,
+                 continuation_id: str | None) -> bool:
+    """Set what the worker needs on ``body`` (in place). Returns True when the gateway asked
+    for stream usage on the client's behalf, so the usage chunk must be dropped."""
+    body["session_id"] = session_id
+    if continuation_id is not None:
+        xargs = body.get("vllm_xargs")
+        xargs = dict(xargs) if isinstance(xargs, dict) else {}
+        xargs["continuation_id"] = continuation_id
+        body["vllm_xargs"] = xargs
+    if route in USAGE_CHUNK_ROUTES and body.get("stream") is True:
+        options = body.get("stream_options")
+        if not isinstance(options, dict) or options.get("include_usage") is not True:
+            options = dict(options) if isinstance(options, dict) else {}
+            options["include_usage"] = True
+            body["stream_options"] = options
+            return True
+    return False
+
+
+# -- usage -----------------------------------------------------------------------------------
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+@dataclass(slots=True)
+class UsageCounts:
+    """Usage seen so far; later reports win (Anthropic's message_delta is cumulative)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.prompt_tokens is not None or self.completion_tokens is not None
+
+    def update(self, usage: Mapping[str, Any]) -> None:
+        # OpenAI chat/completions: prompt_tokens, completion_tokens, prompt_tokens_details.
+        prompt = _int(usage.get("prompt_tokens"))
+        completion = _int(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        # Responses API: input_tokens (cached included), input_tokens_details.cached_tokens.
+        # Anthropic: input_tokens excludes cache reads and writes, which come separately.
+        if prompt is None and _int(usage.get("input_tokens")) is not None:
+            cache_read = _int(usage.get("cache_read_input_tokens")) or 0
+            cache_write = _int(usage.get("cache_creation_input_tokens")) or 0
+            prompt = usage["input_tokens"] + cache_read + cache_write
+            details = usage.get("input_tokens_details")
+            if isinstance(details, dict) and _int(details.get("cached_tokens")) is not None:
+                cached = details["cached_tokens"]
+            elif "cache_read_input_tokens" in usage:
+                cached = cache_read
+        if completion is None:
+            completion = _int(usage.get("output_tokens"))
+        if prompt is not None and not (prompt == 0 and self.prompt_tokens):
+            self.prompt_tokens = prompt
+        if completion is not None:
+            self.completion_tokens = completion
+        if cached is not None:
+            self.cached_tokens = cached
+
+    def to_usage(self, prompt_estimate: int) -> Usage:
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else prompt_estimate
+        cached = min(self.cached_tokens or 0, prompt)
+        return Usage(prompt, self.completion_tokens or 0, cached)
+
+
+def find_usage(obj: Any) -> Mapping[str, Any] | None:
+    """The usage object of a response body or stream event, in any of the API shapes."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        return usage
+    for key in ("message", "response"):  # Anthropic message_start; Responses API events
+        inner = obj.get(key)
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return inner["usage"]
+    return None
+
+
+def find_response_id(obj: Any) -> str | None:
+    """The id of a Responses API response (a body, or a response.* stream event)."""
+    if not isinstance(obj, dict):
+        return None
+    if obj.get("object") == "response" and isinstance(obj.get("id"), str):
+        return obj["id"]
+    inner = obj.get("response")
+    if isinstance(inner, dict) and isinstance(inner.get("id"), str):
+        return inner["id"]
+    return None
+
+
+def decode_json(data: bytes) -> Any:
+    try:
+        return _json_decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+
+
+# -- streams ---------------------------------------------------------------------------------
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_SPLIT = re.compile(rb"\r\n|\n|\r")
+_SCAN_LIMIT = 4 * 1024 * 1024
+_WORTH_PARSING = re.compile(rb"usage|\[DONE\]|message_stop|response\.(?:created|completed|failed|incomplete)")
+_END_EVENT_TYPES = frozenset({"message_stop", "response.completed", "response.failed",
+                              "response.incomplete"})
+
+
+def _event_data(event: bytes) -> bytes | None:
+    """The joined ``data:`` lines of one SSE event (without its terminator)."""
+    parts = []
+    for line in _LINE_SPLIT.split(event):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts) if parts else None
+
+
+class StreamTap:
+    """Reads usage off an SSE stream while passing it on.
+
+    Without ``drop_usage_chunk`` each chunk is returned as it came, unchanged; events are
+    scanned on the side. With it, complete events are returned as soon as they are complete
+    (an unfinished one waits for its end) and the first usage-only chunk — empty
+    ``choices`` and a ``usage`` object, the one the gateway asked for — is left out.
+    Everything else is byte-identical.
+    """
+
+    __slots__ = ("drop_usage_chunk", "dropped", "done", "usage", "response_id", "_pending")
+
+    def __init__(self, drop_usage_chunk: bool) -> None:
+        self.drop_usage_chunk = drop_usage_chunk
+        self.dropped = False
+        # The stream's end marker went by: ``data: [DONE]`` (OpenAI), ``message_stop``
+        # (Anthropic), ``response.completed`` (Responses API). Usage is known by then.
+        self.done = False
+        self.usage = UsageCounts()
+        self.response_id: str | None = None
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        buffer = self._pending + chunk if self._pending else chunk
+        start = 0
+        if not self.drop_usage_chunk:
+            for match in _EVENT_END.finditer(buffer):
+                self._inspect(buffer[start:match.start()])
+                start = match.end()
+            # Only scanned, never sent from here: a stream without event ends must not
+            # grow the buffer without bound (its usage is then simply not seen).
+            self._pending = buffer[start:] if len(buffer) - start <= _SCAN_LIMIT else b""
+            return chunk
+        kept: list[bytes] = []
+        for match in _EVENT_END.finditer(buffer):
+            end = match.end()
+            if self._inspect(buffer[start:match.start()]) and not self.dropped:
+                self.dropped = True
+            else:
+                kept.append(buffer[start:end])
+            start = end
+        self._pending = buffer[start:]
+        if len(kept) == 1:
+            return kept[0]
+        return b"".join(kept)
+
+    def flush(self) -> bytes:
+        """What is left at the end of the stream (an event without a terminator)."""
+        rest, self._pending = self._pending, b""
+        if rest:
+            self._inspect(rest)
+        return rest if self.drop_usage_chunk else b""
+
+    def _inspect(self, event: bytes) -> bool:
+        """Scan one event; True when it is a usage-only chunk."""
+        if not _WORTH_PARSING.search(event):
+            return False
+        data = _event_data(event)
+        if data is None:
+            return False
+        if data == b"[DONE]":
+            self.done = True
+            return False
+        obj = decode_json(data)
+        if isinstance(obj, dict) and obj.get("type") in _END_EVENT_TYPES:
+            self.done = True
+        usage = find_usage(obj)
+        if usage is not None:
+            self.usage.update(usage)
+        if self.response_id is None:
+            self.response_id = find_response_id(obj)
+        return (
+            isinstance(obj, dict)
+            and obj.get("choices") == []
+            and isinstance(obj.get("usage"), dict)
+        )
+
+
+# -- the pool --------------------------------------------------------------------------------
+
+
+class UpstreamPool:
+    """One pooled client per worker, closed together."""
+
+    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig) -> None:
+        timeout = httpx.Timeout(
+            connect=config.connect_timeout_s,
+            read=config.read_timeout_s,
+            write=config.write_timeout_s,
+            pool=config.pool_timeout_s,
+        )
+        limits = httpx.Limits(
+            max_connections=config.max_connections,
+            max_keepalive_connections=config.max_keepalive_connections,
+        )
+        # trust_env=False: workers are internal addresses; a proxy from the environment
+        # (HTTP_PROXY) must not sit between the gateway and its engines.
+        self._clients = {
+            worker.name: httpx.AsyncClient(
+                base_url=worker.url, timeout=timeout, limits=limits, trust_env=False,
+                follow_redirects=False,
+            )
+            for worker in workers
+        }
+        self.urls = {worker.name: worker.url for worker in workers}
+
+    def client(self, worker: str) -> httpx.AsyncClient:
+        return self._clients[worker]
+
+    def names(self) -> list[str]:
+        return list(self._clients)
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+
+
+def transport_error(worker: str, err: httpx.HTTPError, mid_stream: bool = False) -> GatewayError:
+    """A failure to talk to ``worker`` as the client should see it (502 or 504)."""
+    if isinstance(err, httpx.TimeoutException):
+        kind = type(err).__name__
+        return GatewayError(504, f"worker {worker} did not answer in time ({kind})", UPSTREAM_TIMEOUT)
+    detail = str(err) or type(err).__name__
+    if mid_stream:
+        return GatewayError(502, f"worker {worker} broke off the response: {detail}", UPSTREAM)
+    return GatewayError(502, f"cannot reach worker {worker}: {detail}", UPSTREAM)
+
+
+async def open_upstream(client: httpx.AsyncClient, worker: str, path: str, content: bytes,
+                        headers: list[tuple[bytes, bytes]]) -> httpx.Response:
+    """POST and return the streamed response; transport errors and 5xx raise GatewayError
+    (the 5xx response is read and closed first)."""
+    request = client.build_request("POST", path, content=content, headers=headers)
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as err:
+        raise transport_error(worker, err) from None
+    if response.status_code >= 500:
+        try:
+            body = await _read_snippet(response)
+        except httpx.HTTPError:
+            body = b""
+        finally:
+            await response.aclose()
+        text = body.decode("utf-8", "replace").strip() or "(empty body)"
+        raise GatewayError(
+            502, f"worker {worker} answered {response.status_code}: {text}", UPSTREAM
+        )
+    return response
+
+
+async def _read_snippet(response: httpx.Response) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= ERROR_SNIPPET_BYTES:
+            break
+    return b"".join(parts)[:ERROR_SNIPPET_BYTES]

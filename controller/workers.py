@@ -1,0 +1,165 @@
+"""The fleet as the gateway sees it: capacity and health of each worker.
+
+- Capacity: ``capacity_tokens`` from the YAML, else the worker's ``/metrics``
+  ``vllm:cache_config_info`` labels ``num_gpu_blocks × block_size`` (summed over its
+  ``engine`` label values when one API server fronts several data-parallel engines),
+  retried every ``capacity_retry_s`` until known. Until then the policy's ledger has no
+  capacity for the worker, so it takes no new programs.
+- Health: ``GET /health`` every ``health_interval_s``; after ``unhealthy_after`` failures
+  in a row the worker is marked down in the policy (its programs are re-homed), and up
+  again at its first good answer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from controller.admission import Admission
+from controller.serve_config import ServeConfig
+from controller.upstream import UpstreamPool
+
+_INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}\s+\S+", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+HEALTH_TIMEOUT_CAP_S = 5.0
+
+
+class CapacityUnknown(ValueError):
+    """The worker's /metrics does not (yet) tell its KV capacity."""
+
+
+def capacity_from_metrics(text: str) -> int:
+    """``num_gpu_blocks × block_size`` from vLLM's ``cache_config_info`` metric, summed over
+    engines. Raises :class:`CapacityUnknown` saying what is missing."""
+    per_engine: dict[str, int] = {}
+    seen = False
+    for match in _INFO_LINE.finditer(text):
+        seen = True
+        labels = dict(_LABEL.findall(match.group("labels")))
+        blocks, block_size = labels.get("num_gpu_blocks"), labels.get("block_size")
+        if not (blocks and blocks.isdigit() and block_size and block_size.isdigit()):
+            continue  # "None" until the engine has profiled its memory
+        per_engine.setdefault(labels.get("engine", ""), int(blocks) * int(block_size))
+    if not seen:
+        raise CapacityUnknown("no vllm:cache_config_info metric")
+    total = sum(per_engine.values())
+    if total <= 0:
+        raise CapacityUnknown("vllm:cache_config_info has no num_gpu_blocks and block_size yet")
+    return total
+
+
+@dataclass(slots=True)
+class WorkerState:
+    name: str
+    url: str
+    capacity_tokens: int | None
+    capacity_source: str | None
+    healthy: bool = True
+    failures: int = 0
+    last_error: str | None = None
+    last_check_unix: float | None = None
+    capacity_error: str | None = None
+
+
+class WorkerRegistry:
+    def __init__(self, config: ServeConfig, pool: UpstreamPool, admission: Admission, log: Any,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._config = config
+        self._pool = pool
+        self._admission = admission
+        self._log = log
+        self._wall = wall_clock
+        self.states: dict[str, WorkerState] = {
+            w.name: WorkerState(w.name, w.url, w.capacity_tokens,
+                                "config" if w.capacity_tokens else None)
+            for w in config.workers
+        }
+
+    def healthy_names(self) -> list[str]:
+        return [s.name for s in self.states.values() if s.healthy]
+
+    async def run(self) -> None:
+        """Health checks and capacity probes until cancelled."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._health_loop)
+            for state in self.states.values():
+                if state.capacity_tokens is None:
+                    tg.start_soon(self._capacity_loop, state)
+
+    # -- capacity ----------------------------------------------------------------------
+
+    async def _capacity_loop(self, state: WorkerState) -> None:
+        while state.capacity_tokens is None:
+            try:
+                if await self.probe_capacity(state):
+                    return
+            except Exception:
+                self._log.exception("capacity probe failed", worker=state.name)
+            await anyio.sleep(self._config.capacity_retry_s)
+
+    async def probe_capacity(self, state: WorkerState) -> bool:
+        client = self._pool.client(state.name)
+        try:
+            response = await client.get("/metrics", timeout=HEALTH_TIMEOUT_CAP_S)
+            response.raise_for_status()
+            capacity = capacity_from_metrics(response.text)
+        except (httpx.HTTPError, CapacityUnknown) as err:
+            problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            if problem != state.capacity_error:
+                self._log.warning("worker capacity unknown; retrying", worker=state.name,
+                                  problem=problem, retry_s=self._config.capacity_retry_s)
+            state.capacity_error = problem
+            return False
+        await self._admission.set_capacity(state.name, capacity)
+        state.capacity_tokens, state.capacity_source, state.capacity_error = capacity, "metrics", None
+        self._log.info("worker capacity known", worker=state.name, capacity_tokens=capacity)
+        return True
+
+    # -- health ------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:
+                self._log.exception("health check pass failed",
+                                    healthy=self.healthy_names(), workers=list(self.states))
+            await anyio.sleep(self._config.health_interval_s)
+
+    async def check_all(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for state in self.states.values():
+                tg.start_soon(self.check_health, state)
+
+    async def check_health(self, state: WorkerState) -> None:
+        client = self._pool.client(state.name)
+        timeout = min(self._config.health_interval_s, HEALTH_TIMEOUT_CAP_S)
+        problem: str | None = None
+        try:
+            response = await client.get("/health", timeout=timeout)
+            if response.status_code != 200:
+                problem = f"/health answered {response.status_code}"
+        except httpx.HTTPError as err:
+            problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        state.last_check_unix = self._wall()
+        if problem is None:
+            state.failures = 0
+            state.last_error = None
+            if not state.healthy:
+                state.healthy = True
+                await self._admission.set_worker_health(state.name, True)
+                self._log.info("worker healthy again", worker=state.name)
+            return
+        state.failures += 1
+        state.last_error = problem
+        if state.healthy and state.failures >= self._config.unhealthy_after:
+            state.healthy = False
+            await self._admission.set_worker_health(state.name, False)
+            self._log.warning("worker unhealthy; its programs are re-homed", worker=state.name,
+                              problem=problem, failures=state.failures)

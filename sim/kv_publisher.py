@@ -1,0 +1,127 @@
+"""KV-event publishing for the simworker, as vLLM 0.32's ``ZmqEventPublisher`` does it.
+
+- PUB socket: one message per batch, frames ``[topic, seq (8 bytes big-endian), payload]``,
+  ``seq`` counting from 0, ``payload`` the msgpack ``[ts, events, data_parallel_rank]``
+  (``scheduler.kv_events.EventBatch``, rank 0 as vLLM's publisher fills it in).
+- Replay ROUTER: a client (DEALER) sends ``[b"", start_seq (8 bytes big-endian)]``; the
+  ROUTER answers ``[b"", topic, seq, payload]`` for every buffered batch with seq ≥ start,
+  then the end marker ``[b"", b"", b"\\xff" * 8, b""]``. Requests of another shape are
+  logged and ignored. The buffer keeps the last ``buffer_steps`` batches.
+- An endpoint is bound if it holds ``*`` or ``::`` or is ``ipc://`` / ``inproc://``;
+  otherwise the socket connects to it (vLLM's rule).
+
+vLLM publishes from a thread with a queue; here publishing is a non-blocking send from the
+event loop (a PUB socket drops rather than blocks at its high-water mark), so batches go out
+in engine order with no thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from scheduler.kv_events import EventBatch, EventBatchEncoder, KVEvent
+
+END_SEQ = b"\xff" * 8
+
+
+def _should_bind(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class KvEventPublisher:
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
+                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode("utf-8")
+        self.hwm = hwm
+        self.data_parallel_rank = data_parallel_rank
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._encoder = EventBatchEncoder()
+        self._next_seq = 0
+        self._ctx: zmq.Context | None = None
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self.bound_endpoint: str | None = None
+        self.bound_replay_endpoint: str | None = None
+        self._log = structlog.get_logger("sluice.simworker.kv_events")
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def open(self) -> None:
+        """Create and bind (or connect) the sockets; raises ``zmq.ZMQError`` naming the endpoint."""
+        self._ctx = zmq.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, self.hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self.bound_endpoint = self._attach(self._pub, self.endpoint)
+            if self.replay_endpoint:
+                actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
+                self._replay = actx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self.bound_replay_endpoint = self._attach(self._replay, self.replay_endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    @staticmethod
+    def _attach(socket: zmq.Socket, endpoint: str) -> str:
+        try:
+            if _should_bind(endpoint):
+                socket.bind(endpoint)
+                return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            socket.connect(endpoint)
+            return endpoint
+        except zmq.ZMQError as err:
+            raise zmq.ZMQError(err.errno, f"{endpoint}: {err.strerror}") from None
+
+    def close(self) -> None:
+        for socket in (self._replay, self._pub):
+            if socket is not None:
+                socket.close(linger=0)
+        self._replay = self._pub = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
+        """Send one batch; returns its sequence number."""
+        if self._pub is None:
+            raise RuntimeError("publish() before open()")
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = self._encoder.encode(
+            EventBatch(time.time() if ts is None else ts, list(events), self.data_parallel_rank))
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        self._buffer.append((seq, payload))
+        return seq
+
+    async def serve_replay(self) -> None:
+        """Answer replay requests until cancelled (returns at once without a replay socket)."""
+        socket = self._replay
+        if socket is None:
+            return
+        while True:
+            frames = await socket.recv_multipart()
+            if len(frames) != 3:
+                self._log.warning("replay request ignored: expected [identity, b'', start_seq]",
+                                  frames=len(frames))
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            sent = 0
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    await socket.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+                    sent += 1
+            await socket.send_multipart((client, b"", b"", END_SEQ, b""))
+            self._log.debug("replay served", start_seq=start_seq, batches=sent)

@@ -1,0 +1,83 @@
+"""``sluice simworker``: serve the engine model as a vLLM-like worker (sim/simworker.py).
+
+Registered on the ``sluice`` app by ``sim.cli.register``. Bad options print ``error: ...`` and
+exit with status 2; a KV-event endpoint that cannot be bound stops the server at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+from sim.step_time import presets
+
+DEFAULT_PRESET = "llama3.1-8b-h100"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _configure_logging() -> None:
+    """JSON lines on stderr (structlog), configured when the command runs."""
+    import structlog
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    structlog.configure(
+        processors=[
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def simworker(
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="HTTP port of the OpenAI API."),
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP address to listen on."),
+    preset: str = typer.Option(DEFAULT_PRESET, "--preset",
+                               help="Hardware/model step-time preset (see `sluice presets`)."),
+    blocks: Optional[int] = typer.Option(None, "--blocks", min=2,
+                                         help="KV blocks, null block included (vLLM's num_gpu_blocks); "
+                                              "default: the preset's KV pool."),
+    block_size: int = typer.Option(16, "--block-size", min=1, help="KV block size in tokens."),
+    kv_events: str = typer.Option("tcp://*:5557", "--kv-events",
+                                  help="ZMQ PUB endpoint for KV events; bound if it holds '*' or '::' "
+                                       "(e.g. tcp://*:5557), else connected to, as in vLLM."),
+    replay: Optional[str] = typer.Option(None, "--replay",
+                                         help="ZMQ ROUTER endpoint answering replay requests."),
+    time_scale: float = typer.Option(1.0, "--time-scale",
+                                     help="Wall seconds per model second (0.1 runs 10x faster)."),
+    topic: Optional[str] = typer.Option(None, "--topic",
+                                        help='Topic frame of KV events (default "kv@<name>").'),
+    name: str = typer.Option("w0", "--name", help="Worker name (engine name, default topic)."),
+    model: str = typer.Option("sluice-sim", "--model", help="Model name served on /v1/models."),
+) -> None:
+    """Serve the OpenAI API, /metrics and vLLM-format KV events from the simulated engine."""
+    if preset not in presets():
+        raise _fail(f"unknown preset {preset!r}; choose from {', '.join(presets())}")
+    if not time_scale > 0:
+        raise _fail(f"--time-scale must be > 0, got {time_scale}")
+    if not kv_events:
+        raise _fail("--kv-events needs an endpoint such as tcp://*:5557")
+
+    import uvicorn
+
+    from sim.simworker import SimWorkerConfig, create_app
+
+    config = SimWorkerConfig(name=name, model=model, preset=preset, num_blocks=blocks,
+                             block_size=block_size, kv_events=kv_events, replay=replay or None,
+                             topic=topic, time_scale=time_scale)
+    _configure_logging()
+    typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {preset}, "
+               f"KV events {kv_events} topic {config.kv_topic!r}"
+               + (f", replay {replay}" if replay else "") + f", time scale {time_scale}", err=True)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", lifespan="on",
+                access_log=False)

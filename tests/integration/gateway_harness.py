@@ -1,0 +1,147 @@
+"""Real servers on loopback for the integration tests (imported by the test modules): each app runs in uvicorn on a free
+port in a thread of its own (its own event loop), and tests talk to it with real httpx
+clients."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+from controller.gateway import create_app
+from controller.serve_config import ServeConfig, parse_serve_config
+from fake_vllm import FakeState, create_fake
+
+ADMIN_TOKEN = "test-admin-token-123"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+class ServerThread:
+    def __init__(self, app: Any) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                access_log=False, lifespan="on", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.port = 0
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.005)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LogSink(io.StringIO):
+    """Collects the gateway's JSON log lines."""
+
+    def lines(self) -> list[str]:
+        return self.getvalue().splitlines()
+
+
+@contextmanager
+def fakes(*names: str, **state: Any) -> Iterator[list[tuple[FakeState, ServerThread]]]:
+    started = []
+    try:
+        for name in names:
+            fake = FakeState(name, **state)
+            started.append((fake, ServerThread(create_fake(fake)).start()))
+        yield started
+    finally:
+        for _, server in started:
+            server.stop()
+
+
+def serve_config(workers: list[dict], **overrides: Any) -> ServeConfig:
+    data: dict[str, Any] = {
+        "admin_token": ADMIN_TOKEN,
+        "admin_token_env": None,
+        "health_interval_s": 30.0,
+        "capacity_retry_s": 0.1,
+        "reload_poll_s": 0,
+        "workers": workers,
+    }
+    data.update(overrides)
+    return parse_serve_config(data)
+
+
+class Gateway:
+    def __init__(self, server: ServerThread, app: Any, log: LogSink) -> None:
+        self.server = server
+        self.app = app
+        self.log = log
+        self.client = httpx.Client(base_url=server.url, timeout=10, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def parts(self):
+        return self.app.state.sluice
+
+    def programs(self) -> dict[str, dict]:
+        r = self.client.get("/sluice/programs", headers=ADMIN)
+        r.raise_for_status()
+        return {p["session_id"]: p for p in r.json()["programs"]}
+
+    def workers(self) -> dict[str, dict]:
+        r = self.client.get("/sluice/workers", headers=ADMIN)
+        r.raise_for_status()
+        return {w["name"]: w for w in r.json()["workers"]}
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+@contextmanager
+def gateway(config: ServeConfig) -> Iterator[Gateway]:
+    log = LogSink()
+    app = create_app(config, log_stream=log)
+    server = ServerThread(app).start()
+    gw = Gateway(server, app, log)
+    try:
+        yield gw
+    finally:
+        gw.close()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def chat(content: str = "hello", **extra: Any) -> dict:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": content}], **extra}

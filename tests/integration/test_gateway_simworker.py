@@ -1,0 +1,93 @@
+"""The gateway in front of a real simworker (sim/simworker.py): capacity learnt from its
+/metrics, a Claude Code session labelled on its KV events, streaming with the usage chunk
+the gateway asked for removed, and the real usage in the policy."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import msgspec
+import pytest
+import zmq
+from gateway_harness import ServerThread, gateway, serve_config, wait_for
+
+from scheduler.kv_events import BlockStored, EventBatchDecoder
+from sim.simworker import SimWorkerConfig, create_app
+
+BLOCKS, BS = 400, 16
+
+
+@pytest.fixture(scope="module")
+def sim_fleet():
+    app = create_app(SimWorkerConfig(name="sim0", num_blocks=BLOCKS, block_size=BS,
+                                     kv_events="tcp://127.0.0.1:*", time_scale=0.05))
+    server = ServerThread(app).start()
+    try:
+        config = serve_config([{"name": "sim0", "url": server.url}], capacity_retry_s=0.05)
+        with gateway(config) as gw:
+            yield gw, app.state.worker.kv_endpoint
+    finally:
+        server.stop()
+
+
+def _session_events(sub, session: str, timeout: float = 5.0) -> list[BlockStored]:
+    decoder = EventBatchDecoder()
+    found: list[BlockStored] = []
+    deadline = time.monotonic() + timeout
+    while not found:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no BlockStored labelled {session}"
+        if sub.poll(int(left * 1000)):
+            frames = sub.recv_multipart()
+            for event in decoder.decode(frames[2]).events:
+                if isinstance(event, BlockStored) and event.session_id == session:
+                    found.append(event)
+    return found
+
+
+def test_claude_code_session_is_a_program_and_labels_the_workers_kv_events(sim_fleet):
+    gw, kv_endpoint = sim_fleet
+    worker = wait_for(lambda: gw.workers()["sim0"]["capacity_tokens"] and gw.workers()["sim0"],
+                      what="capacity from the simworker's /metrics")
+    assert worker["capacity_tokens"] == BLOCKS * BS and worker["capacity_source"] == "metrics"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(kv_endpoint)
+    time.sleep(0.3)  # let the subscription reach the publisher
+    try:
+        body = {"model": "sluice-sim", "max_tokens": 8, "messages": [
+            {"role": "system", "content": "You are a careful engineer. " * 20},
+            {"role": "user", "content": "Fix the failing test."}]}
+        r = gw.client.post("/v1/chat/completions", json=body,
+                           headers={"x-claude-code-session-id": "s1"})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        events = _session_events(sub, "s1")
+    finally:
+        sub.close()
+        ctx.term()
+    program = gw.programs()["s1"]
+    assert program["context_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert program["home_worker"] == "sim0"
+    assert all(re.fullmatch(r"[0-9a-f]{32}", e.continuation_id or "") for e in events)
+
+
+def test_stream_through_a_simworker_drops_only_the_usage_chunk(sim_fleet):
+    gw, _ = sim_fleet
+    body = {"model": "sluice-sim", "max_tokens": 12, "stream": True,
+            "messages": [{"role": "user", "content": "Stream me something."}]}
+    with gw.client.stream("POST", "/v1/chat/completions", json=body,
+                          headers={"x-session-id": "sim-stream"}) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [msgspec.json.decode(e[len(b"data: "):]) for e in events[:-1]]
+    assert all(chunk["choices"] for chunk in chunks)  # no usage-only chunk reached the client
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text
+    program = gw.programs()["sim-stream"]
+    assert program["in_flight"] == 0 and program["context_tokens"] > 12

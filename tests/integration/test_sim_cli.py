@@ -1,0 +1,364 @@
+"""The simulator's commands (sim/cli.py) through the real ``sluice`` typer app: ``sim``,
+``replay``, ``sweep``, ``presets``, and ``check-config``'s threshold check.
+
+Runs are short (60 simulated seconds, a handful of programs) so the whole file takes a few
+seconds. Every trace and YAML file is written into ``tmp_path`` by the test itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from controller.cli import app
+from sim.step_time import presets
+
+SUMMARY_KEYS = {"policy", "output_tokens_per_s", "steps_per_min", "hit_rate", "reprefill_tokens",
+                "p50_call_s", "p99_call_s", "pauses", "resumes"}
+TABLE_TITLES = ["policy", "out tok/s", "steps/min", "hit rate", "re-prefill tok", "p50 call s",
+                "p99 call s", "pauses", "resumes"]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def invoke(runner: CliRunner, *args: str):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_table(stdout: str, policies: list[str]) -> None:
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("policy"))
+    for title in TABLE_TITLES:
+        assert title in lines[header]
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}
+    rows = lines[header + 2: header + 2 + len(policies)]
+    assert [row.split()[0] for row in rows] == policies
+
+
+def assert_results(path: Path, policies: list[str]) -> dict:
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"results", "config"}
+    assert [row["policy"] for row in doc["results"]] == policies
+    for row in doc["results"]:
+        assert set(row) == SUMMARY_KEYS
+        assert row["output_tokens_per_s"] > 0 and row["steps_per_min"] > 0
+        assert 0.0 <= row["hit_rate"] <= 1.0
+    return doc
+
+
+def assert_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr)
+
+
+# -- sim --------------------------------------------------------------------------------
+
+
+def test_sim_prints_the_table_and_writes_the_json_report(runner, tmp_path):
+    out = tmp_path / "reports" / "sim.json"
+    result = invoke(runner, "sim", "--concurrency", 8, "--workers", 2, "--duration", 60,
+                    "--json", out)
+    assert result.exit_code == 0, result.output
+    policies = ["program_aware", "kv_aware", "least_loaded"]
+    assert_table(result.stdout, policies)
+    assert f"wrote {out}" in result.stdout
+    doc = assert_results(out, policies)
+    config = doc["config"]
+    assert {k: config[k] for k in ("workload", "concurrency", "workers", "preset", "duration_s",
+                                   "seed", "block_size", "policies")} == {
+        "workload": "swebench", "concurrency": 8, "workers": 2, "preset": "llama3.1-8b-h100",
+        "duration_s": 60.0, "seed": 7, "block_size": 64, "policies": policies}
+    assert config["command"].startswith("sluice ")
+    # the table shows the same numbers as the JSON
+    for row in doc["results"]:
+        line = next(x for x in result.stdout.splitlines() if x.startswith(row["policy"]))
+        assert f"{row['hit_rate']:.1%}" in line
+        assert f"{row['reprefill_tokens']:,}" in line
+
+
+def test_sim_rl_rollout_with_chosen_policies(runner, tmp_path):
+    out = tmp_path / "rl.json"
+    result = invoke(runner, "sim", "--workload", "rl_rollout", "--concurrency", 8, "--workers", 2,
+                    "--duration", 60, "--policy", "round_robin, continuum", "--seed", 3,
+                    "--json", out)
+    assert result.exit_code == 0, result.output
+    assert_table(result.stdout, ["round_robin", "continuum"])
+    doc = assert_results(out, ["round_robin", "continuum"])
+    assert doc["config"]["workload"] == "rl_rollout" and doc["config"]["seed"] == 3
+
+
+def test_sim_without_json_writes_no_file(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(runner, "sim", "--concurrency", 2, "--workers", 1, "--duration", 30,
+                    "--policy", "least_loaded")
+    assert result.exit_code == 0, result.output
+    assert_table(result.stdout, ["least_loaded"])
+    assert "wrote" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option,value,fragment", [
+    ("--policy", "program_aware,nope", "unknown policy nope"),
+    ("--policy", " , ", "--policy needs at least one policy name"),
+    ("--preset", "gpt-9-tpu", "unknown preset 'gpt-9-tpu'"),
+    ("--workload", "chatbot", "unknown workload 'chatbot'"),
+])
+def test_sim_rejects_unknown_names_with_status_2(runner, tmp_path, option, value, fragment):
+    out = tmp_path / "never.json"
+    result = invoke(runner, "sim", "--duration", 10, option, value, "--json", out)
+    assert_error(result, fragment)
+    assert not out.exists()
+    assert "Traceback" not in result.output
+
+
+# -- replay -----------------------------------------------------------------------------
+
+
+def mooncake_rows() -> list[dict]:
+    """Two conversations over a shared system-prompt block (512-token blocks)."""
+    def row(ts, n_in, n_out, hashes):
+        return {"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": hashes}
+
+    return [
+        row(0, 1300, 100, [0, 1, 2]),
+        row(500, 1800, 50, [0, 10, 11, 12]),
+        row(4000, 2400, 80, [0, 1, 3, 4, 5]),
+        row(6000, 2300, 60, [0, 10, 11, 13, 14]),
+        row(9000, 2900, 70, [0, 1, 3, 4, 6, 7]),
+        row(9500, 3000, 20, [0, 10, 11, 13, 15, 16]),
+    ]
+
+
+def write_lines(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_replay_mooncake_trace(runner, tmp_path):
+    trace = write_lines(tmp_path / "mc.jsonl", mooncake_rows())
+    out = tmp_path / "replay.json"
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace, "--workers", 2,
+                    "--drain", 60, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "6 calls in 2 sessions" in result.stderr and "block size 512" in result.stderr
+    assert_table(result.stdout, ["program_aware", "kv_aware"])
+    doc = assert_results(out, ["program_aware", "kv_aware"])
+    config = doc["config"]
+    assert (config["format"], config["trace"], config["block_size"], config["workers"]) == \
+        ("mooncake", str(trace), 512, 2)
+    # each conversation re-sends its earlier blocks: some of the prompt is served from cache
+    assert all(row["hit_rate"] > 0 for row in doc["results"])
+    # 6 calls over a run that ends with the last of them (a few seconds past 9.5 s)
+    for row in doc["results"]:
+        assert 6 / (10 + 60) * 60 < row["steps_per_min"]
+
+
+def test_replay_time_scale_compresses_the_trace(runner, tmp_path):
+    trace = write_lines(tmp_path / "mc.jsonl", mooncake_rows())
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace, "--workers", 1,
+                    "--policy", "least_loaded", "--time-scale", 0.5, "--drain", 30)
+    assert result.exit_code == 0, result.output
+    assert "over 5 s" in result.stderr  # 9.5 s of arrivals at half speed
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace,
+                    "--time-scale", 0)
+    assert_error(result, "--time-scale must be > 0")
+
+
+@pytest.mark.parametrize("line,bad,fragment", [
+    (3, "{not json", ""),
+    (2, {"timestamp": 500, "input_length": 1800, "output_length": 50}, "hash_ids"),
+    (4, {"timestamp": 4000, "input_length": -5, "output_length": 80, "hash_ids": [0]}, "input_length"),
+])
+def test_replay_malformed_trace_line_names_the_line(runner, tmp_path, line, bad, fragment):
+    rows = mooncake_rows()
+    rows[line - 1] = bad
+    trace = write_lines(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "never.json"
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace, "--json", out)
+    assert_error(result, f"{trace}:{line}:", fragment)
+    assert not out.exists()
+    assert "Traceback" not in result.output
+
+
+def test_replay_missing_trace_and_unknown_format_exit_2(runner, tmp_path):
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", tmp_path / "nope.jsonl")
+    assert_error(result, "nope.jsonl")
+    trace = write_lines(tmp_path / "mc.jsonl", mooncake_rows())
+    result = invoke(runner, "replay", "--format", "parquet", "--trace", trace)
+    assert_error(result, "parquet")
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace, "--policy", "fifo")
+    assert_error(result, "unknown policy fifo")
+
+
+def test_replay_call_larger_than_a_worker_pool_exits_2(runner, tmp_path):
+    # llama3.1-8b-h100 holds 426,483 tokens of KV (425,984 in whole 512-token blocks)
+    rows = mooncake_rows()
+    rows[1] = {"timestamp": 500, "input_length": 500_000, "output_length": 10, "hash_ids": [0, 99]}
+    trace = write_lines(tmp_path / "big.jsonl", rows)
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace,
+                    "--policy", "least_loaded")
+    assert_error(result, str(trace), "500,010 tokens", "425,984", "llama3.1-8b-h100")
+    # the same trace fits the larger H200 pool
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace, "--workers", 1,
+                    "--policy", "least_loaded", "--preset", "llama3.1-8b-h200", "--drain", 30)
+    assert result.exit_code == 0, result.output
+
+
+def kvtester_conversation() -> dict:
+    return {
+        "id": "conv1",
+        "block_size": 64,
+        "requests": [
+            {"t": 0.0, "type": "n", "in": 200, "out": 50, "hash_ids": [1, 2, 3, 4], "api_time": 2.0},
+            {"t": 5.0, "type": "n", "in": 300, "out": 20, "hash_ids": [1, 2, 3, 5, 6],
+             "think_time": 1.5},
+            {"type": "subagent", "id": "agentX", "requests": [
+                {"t": 6.0, "type": "n", "in": 150, "out": 30, "hash_ids": [1, 2, 7]},
+                {"t": 9.0, "type": "s", "in": 260, "out": 10, "hash_ids": [1, 2, 7, 8, 9],
+                 "think_time": 0.5},
+            ]},
+            {"t": 12.0, "type": "s", "in": 400, "out": 40,
+             "hash_ids": [1, 2, 3, 5, 10, 11, 12], "think_time": 2.0, "ttft": 0.3},
+        ],
+    }
+
+
+def test_replay_kvtester_conversation(runner, tmp_path):
+    trace = tmp_path / "conv.json"
+    trace.write_text(json.dumps(kvtester_conversation()))
+    out = tmp_path / "kv.json"
+    result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace, "--workers", 2,
+                    "--policy", "program_aware,least_loaded", "--drain", 60, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "5 calls in 2 sessions" in result.stderr and "block size 64" in result.stderr
+    assert_table(result.stdout, ["program_aware", "least_loaded"])
+    doc = assert_results(out, ["program_aware", "least_loaded"])
+    assert doc["config"]["format"] == "kvtester" and doc["config"]["block_size"] == 64
+
+
+def test_replay_kvtester_error_names_the_json_path(runner, tmp_path):
+    doc = kvtester_conversation()
+    doc["requests"][1]["in"] = -5
+    trace = tmp_path / "conv.json"
+    trace.write_text(json.dumps(doc))
+    result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace)
+    assert_error(result, "requests[1].in")
+
+
+# -- sweep ------------------------------------------------------------------------------
+
+
+def write_sweep(path: Path, output_dir: Path, **overrides) -> Path:
+    lines = {
+        "name": "tiny_sweep",
+        "workload": "swebench",
+        "workers": 2,
+        "duration_s": 60,
+        "concurrency": "[2, 4]",
+        "policies": "[least_loaded, round_robin]",
+        "output_dir": str(output_dir),
+        "jobs": 1,
+    }
+    lines.update(overrides)
+    path.write_text("".join(f"{k}: {v}\n" for k, v in lines.items() if v is not None))
+    return path
+
+
+def test_sweep_writes_table_json_and_plots(runner, tmp_path):
+    out_dir = tmp_path / "results" / "tiny"
+    config = write_sweep(tmp_path / "sweep.yaml", out_dir)
+    result = invoke(runner, "sweep", config)
+    assert result.exit_code == 0, result.output
+    for name in ("results.md", "results.json", "throughput.png", "hit_rate.png"):
+        assert (out_dir / name).is_file() and (out_dir / name).stat().st_size > 0, name
+    for name in ("throughput.png", "hit_rate.png"):
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out_dir / "results.json").read_text())
+    assert set(doc) == {"results", "config"}
+    grid = [(row["concurrency"], row["policy"]) for row in doc["results"]]
+    assert grid == [(2, "least_loaded"), (2, "round_robin"), (4, "least_loaded"), (4, "round_robin")]
+    for row in doc["results"]:
+        assert SUMMARY_KEYS <= set(row)
+        assert row["calls"] > 0
+    assert doc["config"]["concurrency"] == [2, 4] and doc["config"]["duration_s"] == 60
+    markdown = (out_dir / "results.md").read_text()
+    assert markdown.startswith("# tiny_sweep")
+    table_rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert len(table_rows) == 1 + 4  # header and one row per run
+    assert "| concurrency | policy |" in table_rows[0]
+    # the command prints the table and where it wrote
+    assert "| concurrency | policy |" in result.stdout
+    assert f"wrote {out_dir}/results.md" in result.stdout
+
+
+def test_sweep_jobs_do_not_change_the_results(runner, tmp_path):
+    one = write_sweep(tmp_path / "one.yaml", tmp_path / "one", concurrency="[3]")
+    two = write_sweep(tmp_path / "two.yaml", tmp_path / "two", concurrency="[3]", jobs=2)
+    assert invoke(runner, "sweep", one).exit_code == 0
+    assert invoke(runner, "sweep", two).exit_code == 0
+    first = json.loads((tmp_path / "one" / "results.json").read_text())["results"]
+    second = json.loads((tmp_path / "two" / "results.json").read_text())["results"]
+    assert first == second
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    ({"concurrencies": "[2, 4]"}, ["concurrencies"]),
+    ({"policies": "[least_loaded, nope]"}, ["policies", "unknown policy 'nope'"]),
+    ({"preset": "tpu-v9"}, ["preset", "unknown preset 'tpu-v9'"]),
+    ({"concurrency": "[0, 4]"}, ["concurrency.0"]),
+    ({"policy": "{pause_target: 0.99, pause_threshold: 0.95}"}, ["pause_target", "pause_threshold"]),
+])
+def test_sweep_bad_config_exits_2_naming_the_key(runner, tmp_path, overrides, fragments):
+    out_dir = tmp_path / "never"
+    config = write_sweep(tmp_path / "sweep.yaml", out_dir, **overrides)
+    result = invoke(runner, "sweep", config)
+    assert_error(result, str(config), *fragments)
+    assert not out_dir.exists()
+
+
+def test_sweep_unreadable_or_invalid_yaml_exits_2(runner, tmp_path):
+    result = invoke(runner, "sweep", tmp_path / "missing.yaml")
+    assert_error(result, "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    assert_error(invoke(runner, "sweep", bad), "not valid YAML")
+
+
+# -- check-config and presets -----------------------------------------------------------
+
+
+def test_check_config_rejects_pause_target_above_pause_threshold(runner, tmp_path):
+    config = tmp_path / "sluice.yaml"
+    config.write_text("policy:\n  pause_target: 0.99\n  pause_threshold: 0.95\n")
+    result = invoke(runner, "check-config", config)
+    assert_error(result, str(config), "pause_target", "pause_threshold", "0.99", "0.95")
+    config.write_text("policy:\n  pause_target: 0.9\n  pause_threshold: 0.95\n")
+    result = invoke(runner, "check-config", config)
+    assert result.exit_code == 0 and result.stdout.startswith("ok: policy program_aware")
+
+
+def test_presets_lists_every_preset(runner):
+    result = invoke(runner, "presets")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    table = presets()
+    assert len(lines) == len(table)
+    for line, (name, model) in zip(lines, table.items()):
+        assert line.startswith(name)
+        assert model.description in line
+        assert f"{model.kv_capacity_tokens:,} tokens" in line
+
+
+def test_simulator_commands_are_registered_on_the_main_app(runner):
+    result = invoke(runner, "--help")
+    assert result.exit_code == 0
+    for command in ("sim", "replay", "sweep", "presets", "check-config"):
+        assert command in result.stdout

@@ -1,0 +1,180 @@
+"""The gateway's pure parts: its config, header and body preparation, the SSE tap, usage
+shapes, and capacity read off vLLM's /metrics text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.serve_config import ServeConfig, load_serve_config, parse_serve_config
+from controller.upstream import StreamTap, UsageCounts, forward_headers, prepare_body
+from controller.workers import CapacityUnknown, capacity_from_metrics
+from scheduler.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = {"name": "w0", "url": "http://127.0.0.1:8000"}
+
+
+# -- config ------------------------------------------------------------------------------
+
+
+def test_example_yaml_loads_and_its_gateway_keys_are_the_defaults():
+    config = load_serve_config(REPO / "configs" / "example.yaml")
+    assert [w.name for w in config.workers] == ["gpu-0", "gpu-1"]
+    assert config.workers[1].capacity_tokens == 250_000 and config.workers[0].capacity_tokens is None
+    defaults = ServeConfig(workers=config.workers)
+    for key in ServeConfig.model_fields:
+        assert getattr(config, key) == getattr(defaults, key), key
+    assert config.path == (REPO / "configs" / "example.yaml").resolve()
+
+
+@pytest.mark.parametrize("data,keys", [
+    ({}, ["workers"]),
+    ({"workers": []}, ["workers"]),
+    ({"workers": [{"name": "w", "url": "ftp://x"}]}, ["workers.0.url"]),
+    ({"workers": [WORKER, {"name": "w0", "url": "http://b:1"}]}, ["workers"]),
+    ({"workers": [{**WORKER, "capacity_tokens": 0}]}, ["workers.0.capacity_tokens"]),
+    ({"workers": [{**WORKER, "kv_events": "http://x:1"}]}, ["workers.0.kv_events"]),
+    ({"workers": [WORKER], "listen": {"port": 70000}, "max_body_bytes": 1}, ["listen.port", "max_body_bytes"]),
+    ({"workers": [WORKER], "upstream": {"read_timeout_s": 0}}, ["upstream.read_timeout_s"]),
+    ({"workers": [WORKER], "policy": {"pause_threshold": 9}}, ["policy.pause_threshold"]),
+    ({"workers": [WORKER], "polcy": {}}, ["polcy"]),
+    ({"workers": [{"name": "w", "url": "ftp://x"}], "policy": {"bogus": 1}}, ["policy.bogus", "workers.0.url"]),
+])
+def test_config_errors_name_every_offending_key(data, keys):
+    with pytest.raises(ConfigError) as err:
+        parse_serve_config(data, "sluice.yaml")
+    for key in keys:
+        assert f"sluice.yaml: {key}" in str(err.value), str(err.value)
+
+
+def test_admin_token_env_var_wins_over_the_literal_token():
+    config = parse_serve_config({"workers": [WORKER], "admin_token": "literal-token"})
+    assert config.resolved_admin_token({}) == "literal-token"
+    assert config.resolved_admin_token({"SLUICE_ADMIN_TOKEN": "from-env"}) == "from-env"
+    off = parse_serve_config({"workers": [WORKER], "admin_token_env": None})
+    assert off.resolved_admin_token({"SLUICE_ADMIN_TOKEN": "x"}) is None
+
+
+def test_missing_or_unreadable_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_serve_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("workers: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_serve_config(tmp_path / "bad.yaml")
+
+
+# -- forwarding --------------------------------------------------------------------------
+
+
+def test_forward_headers_drop_hop_by_hop_and_connection_named_ones():
+    raw = [(b"Host", b"gw"), (b"Connection", b"keep-alive, X-Private"), (b"X-Private", b"1"),
+           (b"Keep-Alive", b"5"), (b"Proxy-Authorization", b"p"), (b"Proxy-Foo", b"q"),
+           (b"TE", b"trailers"), (b"Trailer", b"x"), (b"Transfer-Encoding", b"chunked"),
+           (b"Upgrade", b"h2c"), (b"Content-Length", b"12"), (b"Accept-Encoding", b"gzip"),
+           (b"X-Session-ID", b"client-said"), (b"Authorization", b"Bearer k"), (b"X-Other", b"y")]
+    out = dict((k.lower(), v) for k, v in forward_headers(raw, "resolved"))
+    assert out == {b"authorization": b"Bearer k", b"x-other": b"y",
+                   b"x-session-id": b"resolved", b"accept-encoding": b"identity"}
+
+
+def test_prepare_body_sets_session_continuation_and_asks_for_stream_usage():
+    body = {"stream": True, "vllm_xargs": {"kv_cache_report_mode": "full"}}
+    original_xargs = body["vllm_xargs"]
+    assert prepare_body("/v1/chat/completions", body, "s1", "c" * 32) is True
+    assert body["session_id"] == "s1"
+    assert body["vllm_xargs"] == {"kv_cache_report_mode": "full", "continuation_id": "c" * 32}
+    assert original_xargs == {"kv_cache_report_mode": "full"}  # the client's dict is not mutated
+    assert body["stream_options"] == {"include_usage": True}
+    asked = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert prepare_body("/v1/completions", asked, "s1", None) is False
+    off = {"stream": True, "stream_options": {"include_usage": False}}
+    assert prepare_body("/v1/chat/completions", off, "s1", None) is True
+    assert off["stream_options"]["include_usage"] is True
+    assert prepare_body("/v1/chat/completions", {"stream": False}, "s1", None) is False
+    assert prepare_body("/v1/messages", {"stream": True}, "s1", None) is False
+
+
+# -- the SSE tap ----------------------------------------------------------------------------
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 32}}
+STREAM = [
+    _sse({"choices": [{"delta": {"content": "a"}}], "usage": None}),
+    _sse({"choices": [{"delta": {"content": "usage"}}]}),  # the word alone is no usage chunk
+    _sse({"choices": [], "usage": USAGE}),
+    b"data: [DONE]\n\n",
+]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 17, 10_000])
+def test_tap_drops_exactly_the_usage_chunk_whatever_the_chunking(step):
+    raw = b"".join(STREAM)
+    tap = StreamTap(drop_usage_chunk=True)
+    out = b"".join(tap.feed(raw[i:i + step]) for i in range(0, len(raw), step)) + tap.flush()
+    assert out == raw.replace(STREAM[2], b"")
+    assert (tap.usage.prompt_tokens, tap.usage.completion_tokens, tap.usage.cached_tokens) == (40, 3, 32)
+    assert tap.done and tap.dropped
+
+
+@pytest.mark.parametrize("step", [1, 3, 10_000])
+def test_tap_passes_chunks_through_unchanged_when_the_client_asked_for_usage(step):
+    raw = b"".join(STREAM).replace(b"\n\n", b"\r\n\r\n")
+    tap = StreamTap(drop_usage_chunk=False)
+    pieces = [raw[i:i + step] for i in range(0, len(raw), step)]
+    assert [tap.feed(p) for p in pieces] == pieces
+    assert tap.flush() == b""
+    assert tap.usage.completion_tokens == 3 and tap.done
+
+
+def test_tap_sends_complete_events_at_once_and_holds_only_an_unfinished_one():
+    tap = StreamTap(drop_usage_chunk=True)
+    assert tap.feed(STREAM[0] + STREAM[1][:10]) == STREAM[0]
+    assert tap.feed(STREAM[1][10:]) == STREAM[1]
+
+
+def test_tap_drops_only_one_usage_chunk():
+    second = _sse({"choices": [], "usage": USAGE})
+    tap = StreamTap(drop_usage_chunk=True)
+    assert tap.feed(STREAM[2] + second) == second
+
+
+def test_usage_shapes_of_each_api():
+    chat = UsageCounts()
+    chat.update({"prompt_tokens": 10, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}})
+    assert chat.to_usage(0) == type(chat.to_usage(0))(10, 2, 8)
+    responses = UsageCounts()
+    responses.update({"input_tokens": 10, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 6}})
+    assert (responses.prompt_tokens, responses.completion_tokens, responses.cached_tokens) == (10, 4, 6)
+    anthropic = UsageCounts()  # message_start, then the cumulative message_delta
+    anthropic.update({"input_tokens": 3, "output_tokens": 1, "cache_read_input_tokens": 5,
+                      "cache_creation_input_tokens": 2})
+    anthropic.update({"output_tokens": 9})
+    assert (anthropic.prompt_tokens, anthropic.completion_tokens, anthropic.cached_tokens) == (10, 9, 5)
+    missing = UsageCounts()
+    assert not missing.known and missing.to_usage(77).prompt_tokens == 77
+
+
+# -- capacity --------------------------------------------------------------------------------
+
+
+def test_capacity_is_blocks_times_block_size_summed_over_engines():
+    one = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+    assert capacity_from_metrics("# HELP x\n" + one) == 16_000
+    two = one + 'vllm:cache_config_info{num_gpu_blocks="500",engine="1",block_size="32"} 1.0\n'
+    assert capacity_from_metrics(two) == 16_000 + 16_000
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("vllm:num_requests_running 0\n", "no vllm:cache_config_info"),
+    ('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n', "no num_gpu_blocks"),
+])
+def test_capacity_unknown_says_why(text, problem):
+    with pytest.raises(CapacityUnknown, match=problem):
+        capacity_from_metrics(text)

@@ -1,0 +1,429 @@
+"""The offline shell (sim/simulation.py): feeds, the event loop, KV events into the policy's
+index, retention directives into the engines' pools, determinism and the summary schema.
+
+Programs are small synthetic :class:`ProgramSpec` objects on tiny pools (block size 4, a
+few dozen blocks) and a hand-made step-time model, so a run takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from scheduler.actions import Action, Demote, Release, Retain
+from scheduler.config import PolicyConfig
+from scheduler.kv_events import BlockRemoved
+from scheduler.policies import make_policy
+from scheduler.policies.routing import RoundRobinPolicy
+from sim.programs import CallSpec, ProgramSpec
+from sim.simulation import Batches, ClosedLoop, OpenLoop, Simulation
+from sim.step_time import StepTimeModel
+
+BS = 4
+
+MODEL = StepTimeModel(
+    name="tiny", description="hand-made terms for tests",
+    base_s=0.010, prefill_token_s=1e-4, seq_s=1e-3, context_token_s=1e-5,
+    kv_capacity_tokens=10_000, block_size=BS, max_num_seqs=8, max_num_batched_tokens=64,
+)
+
+SUMMARY_KEYS = {"policy", "output_tokens_per_s", "steps_per_min", "hit_rate", "reprefill_tokens",
+                "p50_call_s", "p99_call_s", "pauses", "resumes"}
+
+
+def program(index: int, turns: int = 3, *, first_prompt: int = 10, output: int = 5,
+            observation: int = 7, think_s: float = 0.5, start_at: float = 0.0,
+            session: str | None = None) -> ProgramSpec:
+    """A growing-context program; no prompt is a whole number of blocks, so a prompt's
+    full blocks are always all reusable (the one-token-short cap never re-computes a
+    cached block) and the pool never holds two copies of a hash."""
+    calls, prompt = [], first_prompt
+    for turn in range(turns):
+        if prompt % BS == 0:
+            prompt += 1
+        calls.append(CallSpec(prompt, output + (index + turn) % 3, think_s=0.0 if turn == 0 else think_s))
+        prompt += calls[-1].output_tokens + observation
+    return ProgramSpec(session or f"p{index}", calls, index, start_at=start_at)
+
+
+def simulation(policy, feed, *, workers=1, num_blocks=64, duration_s=60.0, **kwargs) -> Simulation:
+    if isinstance(policy, str):
+        policy = make_policy(name=policy)
+    return Simulation(policy, feed, workers=workers, model=MODEL, duration_s=duration_s,
+                      block_size=BS, num_blocks=num_blocks, **kwargs)
+
+
+class Recorder:
+    """Wraps a feed's ``on_program_end`` and a policy's arrival/completion hooks to see
+    what the simulation did, without changing it."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.ends: list[tuple[str, float]] = []
+        self.arrivals: dict[str, float] = {}
+        self.completions: list[tuple[str, float, int, int]] = []  # id, time, prompt, cached
+        self.kv_batches = 0
+        self.removed = 0
+        feed, policy = sim.feed, sim.policy
+        on_end, on_arrival, on_complete, observe_kv = (
+            feed.on_program_end, policy.on_arrival, policy.on_complete, policy.observe_kv)
+
+        def end(spec, now):
+            self.ends.append((spec.session_id, now))
+            return on_end(spec, now)
+
+        def arrival(request, now):
+            assert request.request_id not in self.arrivals, "a call arrived twice"
+            self.arrivals[request.request_id] = now
+            return on_arrival(request, now)
+
+        def complete(request_id, usage, now):
+            self.completions.append((request_id, now, usage.prompt_tokens, usage.cached_tokens))
+            return on_complete(request_id, usage, now)
+
+        def observe(worker, batch):
+            self.kv_batches += 1
+            self.removed += sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockRemoved))
+            return observe_kv(worker, batch)
+
+        feed.on_program_end = end
+        policy.on_arrival = arrival
+        policy.on_complete = complete
+        policy.observe_kv = observe
+
+
+# -- feeds ----------------------------------------------------------------------------------
+
+
+def test_closed_loop_keeps_concurrency_programs_alive():
+    made: list[ProgramSpec] = []
+
+    def make(i: int) -> ProgramSpec:
+        spec = program(i, turns=2 + i % 3, think_s=0.3 + 0.1 * (i % 4))
+        made.append(spec)
+        return spec
+
+    sim = simulation("least_loaded", ClosedLoop(make, concurrency=3, ramp_s=0.0), workers=2,
+                     duration_s=20.0)
+    rec = Recorder(sim)
+    result = sim.run()
+    assert result.programs_completed == len(rec.ends) >= 10
+    # one new program per ended one, started at the very moment the other ended
+    assert len(made) == 3 + len(rec.ends)
+    assert [spec.start_at for spec in made[3:]] == [t for _, t in rec.ends]
+    assert [spec.start_at for spec in made[:3]] == [0.0, 0.0, 0.0]
+    ended = dict(rec.ends)
+    # at every moment something starts or ends, exactly three programs are alive
+    for t in sorted({s.start_at for s in made} | set(ended.values())):
+        alive = [s for s in made if s.start_at <= t and ended.get(s.session_id, float("inf")) > t]
+        assert len(alive) == 3, t
+    # each program's first call is sent as it starts
+    for spec in made:
+        if f"{spec.session_id}#0" in rec.arrivals:
+            assert rec.arrivals[f"{spec.session_id}#0"] == pytest.approx(spec.start_at)
+
+
+def test_closed_loop_ramp_spreads_the_first_programs():
+    feed = ClosedLoop(lambda i: program(i), concurrency=4, ramp_s=8.0)
+    assert [spec.start_at for spec in feed.initial()] == [0.0, 2.0, 4.0, 6.0]
+    with pytest.raises(ValueError, match="concurrency"):
+        ClosedLoop(lambda i: program(i), concurrency=0)
+
+
+def test_open_loop_plays_programs_at_their_times_and_stops_when_done():
+    specs = [program(0, start_at=0.0), program(1, start_at=3.5), program(2, start_at=7.25)]
+    # the third program's second call has an absolute arrival time (a trace)
+    specs[2].calls[1] = dataclasses.replace(specs[2].calls[1], at=20.0)
+    sim = simulation("round_robin", OpenLoop(specs), workers=2, duration_s=1000.0,
+                     stop_when_done=True)
+    rec = Recorder(sim)
+    result = sim.run()
+    assert rec.arrivals["p0#0"] == 0.0
+    assert rec.arrivals["p1#0"] == 3.5
+    assert rec.arrivals["p2#0"] == 7.25
+    assert rec.arrivals["p2#1"] == 20.0
+    # a relative call comes think_s after the previous response
+    done = {rid: t for rid, t, _, _ in rec.completions}
+    assert rec.arrivals["p1#1"] == pytest.approx(done["p1#0"] + specs[1].calls[1].think_s)
+    assert result.programs_completed == 3
+    assert result.calls_completed == sum(len(s.calls) for s in specs)
+    # the run ends with the last completion, not at duration_s
+    last = max(done.values())
+    assert last > 20.0
+    assert result.duration_s == pytest.approx(last)
+    assert result.output_tokens_per_s == pytest.approx(result.output_tokens / last)
+
+
+def test_without_stop_when_done_the_run_lasts_its_duration():
+    sim = simulation("round_robin", OpenLoop([program(0)]), duration_s=50.0)
+    result = sim.run()
+    assert result.programs_completed == 1
+    assert result.duration_s == 50.0
+
+
+def test_batches_start_only_after_the_previous_batch_ended():
+    made: dict[int, list[ProgramSpec]] = {}
+
+    def make_batch(b: int) -> list[ProgramSpec]:
+        # uneven programs so the batch's end is set by its slowest one
+        made[b] = [program(10 * b + k, turns=1 + k, think_s=0.2 * (k + 1)) for k in range(3)]
+        return made[b]
+
+    sim = simulation("least_loaded", Batches(make_batch), workers=2, duration_s=15.0)
+    rec = Recorder(sim)
+    sim.run()
+    ended = dict(rec.ends)
+    assert len(made) >= 4
+    for b in range(len(made) - 1):
+        batch_end = max(ended[s.session_id] for s in made[b])
+        starts = {s.start_at for s in made[b + 1]}
+        assert starts == {batch_end}
+        # no call of batch b+1 arrived while batch b had a program left
+        first_next = min(t for rid, t in rec.arrivals.items()
+                         if rid.split("#")[0] in {s.session_id for s in made[b + 1]})
+        assert first_next >= batch_end
+    assert {s.start_at for s in made[0]} == {0.0}
+
+
+# -- calls ----------------------------------------------------------------------------------
+
+
+def test_every_call_completes_once_with_latency_at_least_its_service_time():
+    specs = [program(i, turns=4, start_at=0.3 * i, think_s=0.4) for i in range(8)]
+    sim = simulation("round_robin", OpenLoop(specs), workers=2, num_blocks=40, duration_s=600.0,
+                     stop_when_done=True)
+    rec = Recorder(sim)
+    result = sim.run()
+    expected = {f"{s.session_id}#{k}" for s in specs for k in range(len(s.calls))}
+    completed = [rid for rid, _, _, _ in rec.completions]
+    assert Counter(completed) == Counter(expected)  # each exactly once
+    assert result.calls_completed == len(expected) == len(result.call_latencies_s)
+    assert sum(len(e.finished) for e in sim.engines) == len(expected)
+    outputs = {f"{s.session_id}#{k}": c.output_tokens for s in specs for k, c in enumerate(s.calls)}
+    for (rid, done_at, prompt, cached), latency in zip(rec.completions, result.call_latencies_s):
+        assert latency == pytest.approx(done_at - rec.arrivals[rid])
+        # a call needs one iteration per output token, each at least base + one sequence,
+        # and its uncached prompt tokens (all but a final 1-token chunk) as prefill
+        service = (outputs[rid] * (MODEL.base_s + MODEL.seq_s)
+                   + max(0, prompt - cached - 1) * MODEL.prefill_token_s)
+        assert latency >= service - 1e-12
+    assert result.output_tokens == sum(outputs.values())
+
+
+# -- KV events ------------------------------------------------------------------------------
+
+
+def _pool_session_tokens(engine) -> dict[str, int]:
+    """Tokens of every session's blocks the engine's pool holds cached (free or in use).
+    Each program's hashes carry its index in bits 32 and up (its own token stream)."""
+    pool = engine.pool
+    cached = [h for h in pool.block_hash if h is not None]
+    assert len(cached) == len(set(cached)), "the scenario must not duplicate blocks"
+    tokens: Counter[str] = Counter()
+    for h in cached:
+        tokens[f"p{h >> 32}"] += BS
+    return dict(tokens)
+
+
+def test_kv_events_reach_the_policy_index_exactly():
+    specs = [program(i, turns=6, first_prompt=10 + 3 * i, start_at=0.2 * i, think_s=1.0)
+             for i in range(10)]
+    checks = []
+
+    def check(now: float, sim: Simulation) -> None:
+        for engine in sim.engines:
+            kv = sim.policy.index.worker(engine.name)
+            resident = {h for h in engine.pool.block_hash if h is not None}
+            assert set(kv.blocks) == resident, (now, engine.name)
+            assert kv.session_tokens == _pool_session_tokens(engine), (now, engine.name)
+        checks.append(now)
+
+    # round robin scatters each program's turns over both workers; 40 blocks per worker
+    # force evictions
+    sim = simulation("round_robin", OpenLoop(specs), workers=2, num_blocks=41, duration_s=600.0,
+                     stop_when_done=True, on_sample=check, sample_every_s=0.5)
+    rec = Recorder(sim)
+    result = sim.run()
+    assert result.calls_completed == 60
+    assert len(checks) >= 5
+    check(float("inf"), sim)
+    assert rec.removed > 0, "the pool must have evicted something"
+    # both workers hold some session's blocks at the end
+    assert all(sim.policy.index.worker(e.name).session_tokens for e in sim.engines)
+
+
+def test_engine_capacity_is_reported_to_the_policy():
+    policy = make_policy(name="least_loaded")
+    sim = simulation(policy, OpenLoop([program(0)]), workers=2, num_blocks=31)
+    assert [e.capacity_tokens for e in sim.engines] == [120, 120]
+    assert all(policy.ledger.worker(e.name).capacity_tokens == 120 for e in sim.engines)
+
+
+# -- retention ------------------------------------------------------------------------------
+
+
+class ScriptedPolicy(RoundRobinPolicy):
+    """Round robin that also returns scripted retention actions from its periodic tick."""
+
+    def __init__(self, script: list[tuple[float, Action]]) -> None:
+        super().__init__(PolicyConfig(name="round_robin"))
+        self.script = sorted(script, key=lambda item: item[0])
+
+    def tick(self, now: float) -> list[Action]:
+        actions = super().tick(now)
+        while self.script and self.script[0][0] <= now:
+            actions.append(self.script.pop(0)[1])
+        return actions
+
+
+def _retention_run(script, apply_retention=True):
+    """A, B, C run one 16-token call each (3 cached blocks each, freed in that order);
+    at t=5, D's 34-token prompt needs 9 blocks: the 3 never-cached ones, then 6 evicted."""
+    specs = [ProgramSpec(name, [CallSpec(14, 2)], index, start_at=float(index))
+             for index, name in enumerate("ABC")]
+    specs.append(ProgramSpec("D", [CallSpec(34, 2)], 3, start_at=5.0))
+    policy = ScriptedPolicy(script)
+    orders = {}
+
+    def sample(now, sim):
+        orders[now] = sim.engines[0].pool.free_queue_order()
+
+    sim = simulation(policy, OpenLoop(specs), num_blocks=13, duration_s=10.0,
+                     apply_retention=apply_retention, on_sample=sample, sample_every_s=1.0)
+    sim.run()
+    pool = sim.engines[0].pool
+    kept = {name for index, name in enumerate("ABC")
+            if all(pool.is_cached((index << 32) | i) for i in range(3))}
+    evicted = {name for index, name in enumerate("ABC")
+               if not any(pool.is_cached((index << 32) | i) for i in range(3))}
+    assert kept | evicted == {"A", "B", "C"}, "a session was partly evicted"
+    return kept, orders
+
+
+# Block ids: A gets 1-4, B gets 4-7 (A's unhashed 4th block comes back first), C 7-10;
+# each keeps 3 cached blocks. Free order at t=4 (sampled at the tick): never-cached blocks
+# 10, 11, 12 first, then the cached ones by eviction class and LRU.
+
+
+def test_without_directives_eviction_is_lru():
+    kept, orders = _retention_run([])
+    assert kept == {"C"}
+    assert orders[4.0] == [10, 11, 12, 3, 2, 1, 6, 5, 4, 9, 8, 7]
+
+
+def test_demoted_session_blocks_are_evicted_before_others():
+    kept, orders = _retention_run([(3.0, Demote("C", "w0"))])
+    assert kept == {"B"}
+    # C's blocks jump ahead of every other cached block (never-cached ones still go first)
+    assert orders[4.0] == [10, 11, 12, 9, 8, 7, 3, 2, 1, 6, 5, 4]
+
+
+def test_retained_session_blocks_are_evicted_last():
+    kept, orders = _retention_run([(3.0, Retain("A", "w0", 90, 100.0))])
+    assert kept == {"A"}
+    assert orders[4.0][-3:] == [3, 2, 1]
+
+
+def test_released_session_loses_its_retention():
+    script = [(3.0, Retain("A", "w0", 90, 100.0)), (3.0, Retain("B", "w0", 90, 100.0)),
+              (4.0, Release("B", "w0", "final"))]
+    kept, orders = _retention_run(script)
+    # B went back to the normal class (behind C), so D evicted C then B; A stayed retained
+    assert kept == {"A"}
+    kept_without_release, _ = _retention_run(script[:2])
+    assert kept_without_release == {"B"}
+
+
+def test_retention_is_ignored_when_not_applied():
+    kept, orders = _retention_run([(3.0, Demote("C", "w0"))], apply_retention=False)
+    assert kept == {"C"}
+    assert orders[4.0] == [10, 11, 12, 3, 2, 1, 6, 5, 4, 9, 8, 7]
+
+
+def test_every_retention_action_of_a_real_policy_reaches_its_worker_pool():
+    specs = [program(i, turns=4, first_prompt=20 + 5 * i, start_at=0.5 * i, think_s=1.5)
+             for i in range(6)]
+    # a growth reserve and buffer sized to the tiny pools, so programs are admitted and
+    # some get paused (Demote) and resumed (Retain)
+    config = PolicyConfig(name="program_aware", growth_reserve_tokens=8, buffer_per_program=0)
+    policy = make_policy(config)
+    sim = simulation(policy, OpenLoop(specs), workers=2, num_blocks=40, duration_s=600.0,
+                     stop_when_done=True)
+    returned: list[Action] = []
+    for name in ("tick", "on_complete"):
+        original = getattr(policy, name)
+
+        def wrapped(*args, _original=original):
+            actions = _original(*args)
+            returned.extend(a for a in actions if isinstance(a, (Retain, Demote, Release)))
+            return actions
+
+        setattr(policy, name, wrapped)
+    applied: list[tuple[str, str, str]] = []
+    for engine in sim.engines:
+        pool = engine.pool
+        for kind in ("retain", "demote", "release"):
+            original = getattr(pool, kind)
+
+            def wrapped(session, *args, _original=original, _kind=kind, _name=engine.name):
+                applied.append((_kind, session, _name))
+                return _original(session, *args)
+
+            setattr(pool, kind, wrapped)
+    sim.run()
+    expected = [(type(a).__name__.lower(), a.session_id, a.worker) for a in returned
+                if a.worker is not None]
+    assert {kind for kind, _, _ in expected} == {"retain", "demote", "release"}
+    assert policy.stats.pauses > 0
+    assert applied == expected
+
+
+# -- determinism and the summary ------------------------------------------------------------
+
+
+def _swebench_result(seed: int, policy: str = "program_aware"):
+    from sim.workloads import SwebenchWorkload
+
+    feed = ClosedLoop(SwebenchWorkload(seed=seed).make_program, concurrency=6, ramp_s=5.0)
+    sim = Simulation(make_policy(name=policy), feed, workers=2, model=MODEL, duration_s=40.0,
+                     block_size=64, num_blocks=2200)
+    return sim.run()
+
+
+def test_same_seed_gives_an_identical_result():
+    first, second = _swebench_result(7), _swebench_result(7)
+    assert first.summary() == second.summary()
+    assert first.call_latencies_s == second.call_latencies_s
+    assert first.program_times_s == second.program_times_s
+    assert first.calls_completed > 0
+    assert _swebench_result(8).summary() != first.summary()
+
+
+def test_summary_has_exactly_the_report_schema():
+    result = _swebench_result(7, "kv_aware")
+    summary = result.summary()
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["policy"] == "kv_aware"
+    assert summary["output_tokens_per_s"] == round(result.output_tokens / result.duration_s, 2)
+    assert summary["steps_per_min"] == round(result.calls_completed / (result.duration_s / 60), 2)
+    assert 0.0 <= summary["hit_rate"] <= 1.0
+    assert summary["hit_rate"] == round(result.cached_tokens / result.prompt_tokens, 4)
+    assert summary["p50_call_s"] <= summary["p99_call_s"]
+    for key in ("reprefill_tokens", "pauses", "resumes"):
+        assert isinstance(summary[key], int)
+
+
+def test_summary_of_a_run_without_calls_has_no_latency():
+    sim = simulation("round_robin", OpenLoop([program(0, start_at=100.0)]), duration_s=10.0)
+    summary = sim.run().summary()
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["hit_rate"] == 0.0 and summary["output_tokens_per_s"] == 0.0
+    assert summary["p50_call_s"] != summary["p50_call_s"]  # NaN
+
+
+def test_invalid_simulation_arguments_are_rejected():
+    with pytest.raises(ValueError, match="workers"):
+        simulation("round_robin", OpenLoop([program(0)]), workers=0)
+    with pytest.raises(ValueError, match="duration"):
+        simulation("round_robin", OpenLoop([program(0)]), duration_s=0.0)
