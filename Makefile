@@ -12,7 +12,7 @@ EXTRAS := live,plots,dev
 # Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
 STAMP  := $(VENV)/.sluice-installed
 
-.PHONY: venv test demo bench clean distclean
+.PHONY: venv vllm-venv test demo bench clean distclean
 
 venv: $(STAMP)
 
@@ -25,7 +25,12 @@ $(STAMP): pyproject.toml
 	@$(VPY) -m pip install -e '.[$(EXTRAS)]' >&2
 	@touch $@
 
-test: venv
+# vLLM's CPU build in its own virtualenv (the gateway never imports it): the fidelity and
+# end-to-end tiers drive real vLLM code. The script is idempotent and fast once installed.
+vllm-venv:
+	bash scripts/setup_vllm_venv.sh
+
+test: venv vllm-venv
 	$(VPY) -m pytest -q tests
 
 demo: venv
