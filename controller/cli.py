@@ -38,18 +38,12 @@ def check_config(
 ) -> None:
     from scheduler.config import ConfigError, parse_policy_yaml
 
+    from controller.serve_config import read_config_file
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _fail(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise _fail(f"{path}: is a directory, not a YAML file") from None
-    except PermissionError:
-        raise _fail(f"{path}: permission denied") from None
-    except UnicodeDecodeError as err:
-        raise _fail(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise _fail(f"{path}: cannot read ({err.strerror or err})") from None
+        text = read_config_file(path)
+    except ConfigError as err:
+        raise _fail(str(err)) from None
     try:
         config = parse_policy_yaml(text, source=path)
     except ConfigError as err:

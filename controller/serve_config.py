@@ -175,19 +175,27 @@ def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig:
     return config
 
 
-def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:
-    """Read and validate a YAML file; errors (unreadable file included) are ConfigErrors."""
+def read_config_file(path: str | os.PathLike[str]) -> str:
+    """The file's text; an unreadable file is a ConfigError that says why."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, not a YAML file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
+
+
+def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:
+    """Read and validate a YAML file; errors (unreadable file included) are ConfigErrors."""
+    path = Path(path)
+    text = read_config_file(path)
     config = parse_serve_config(load_yaml_text(text, str(path)), str(path))
     config._path = path.resolve()
     return config

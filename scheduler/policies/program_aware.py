@@ -56,7 +56,9 @@ class ProgramAwarePolicy(Policy):
 
     # -- arrivals and completions ----------------------------------------------------
 
-    def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
+    def _arrival_of_known(self, program: Program, call: Call, now: float) -> Decision | None:
+        """An ACTIVE program's call goes home; a PAUSED one's waits. None: place it anew
+        (the program is then PENDING and parked)."""
         if program.active and program.home_worker is not None:
             if self.ledger.worker(program.home_worker).healthy:
                 return self._admit(call, program.home_worker)
@@ -64,6 +66,12 @@ class ProgramAwarePolicy(Policy):
         if program.paused:
             return hold(call, "program paused")
         self._park(program, now)
+        return None
+
+    def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
+        known = self._arrival_of_known(program, call, now)
+        if known is not None:
+            return known
         if program.waiting:
             return hold(call, "program waiting for room")
         if self._someone_waits(program):

@@ -79,13 +79,9 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
     # -- new programs ----------------------------------------------------------------
 
     def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
-        if program.active and program.home_worker is not None:
-            if self.ledger.worker(program.home_worker).healthy:
-                return self._admit(call, program.home_worker)
-            self._unhome(program, now)
-        if program.paused:
-            return hold(call, "program paused")
-        self._park(program, now)
+        known = self._arrival_of_known(program, call, now)
+        if known is not None:
+            return known
         if program.waiting or self._anyone_queued(program):
             return hold(call, "queued")
         demand = call.request.prompt_tokens
