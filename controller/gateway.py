@@ -54,6 +54,7 @@ from controller.errors import (
 from controller.identity import ROUTES, Identity, IdentityError, resolve_identity
 from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
 from controller.serve_config import ServeConfig
+from controller.subscriber import KvEventSubscriber
 from controller.upstream import (
     StreamTap,
     UpstreamPool,
@@ -127,6 +128,7 @@ class Parts:
     reloader: ConfigReloader
     responses: ResponseSessions
     log: Any
+    kv_events: KvEventSubscriber | None = None  # the KV-event subscriber (controller/subscriber.py)
 
 
 def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monotonic,
@@ -145,8 +147,11 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     metrics = Metrics(admission)
     request_log = RequestLog(config.request_log, log)
     reloader = ConfigReloader(config, admission, metrics, log, wall_clock)
+    # KV-event subscriber: engines' events feed the policy's index (under the admission lock)
+    kv_events = KvEventSubscriber(config, admission, log)
+    metrics.watch_kv_events(kv_events)
     parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
-                  ResponseSessions(), log)
+                  ResponseSessions(), log, kv_events)
     gateway = _Gateway(parts, clock, wall_clock)
     admin = AdminApi(config.resolved_admin_token(), admission, workers, reloader, clock)
 
@@ -160,6 +165,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
                 tg.start_soon(admission.run_ticks)
                 tg.start_soon(workers.run)
                 tg.start_soon(reloader.run)
+                tg.start_soon(kv_events.run)  # KV-event subscriber (no-op without kv_events)
                 try:
                     yield
                 finally:

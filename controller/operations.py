@@ -37,6 +37,7 @@ from starlette.routing import Route
 from controller.admission import Admission
 from controller.errors import AUTHENTICATION, NOT_FOUND, PERMISSION, error_response
 from controller.serve_config import ServeConfig, load_serve_config
+from controller.subscriber import KvEventSubscriber
 from controller.workers import WorkerRegistry
 from scheduler.config import ConfigError
 from scheduler.programs import Lifecycle, Phase
@@ -85,6 +86,12 @@ class _PolicyCollector(Collector):
                                      labels=["worker"])
         placed = GaugeMetricFamily("sluice_worker_programs", "Active programs counted on the worker.",
                                    labels=["worker"])
+        # -- KV-event subscriber: which source the ledger's shared tokens come from --
+        source = GaugeMetricFamily(
+            "sluice_worker_utilization_source",
+            "1 when U uses the worker's KV index (its events flow), 0 when it is the usage-based "
+            "estimate (continuation ancestry) because the worker has no events (yet, or since a reset).",
+            labels=["worker"])
         ledger = policy.ledger
         for load in ledger.workers():
             u = ledger.utilization(load.name)
@@ -94,7 +101,58 @@ class _PolicyCollector(Collector):
             if load.capacity_tokens:
                 capacity.add_metric([load.name], load.capacity_tokens)
             placed.add_metric([load.name], len(load.programs))
-        yield from (util, healthy, capacity, placed)
+            source.add_metric([load.name], 1.0 if policy.index.has_events(load.name) else 0.0)
+        yield from (util, healthy, capacity, placed, source)
+
+
+class _KvEventsCollector(Collector):
+    """The KV-event subscriber's counters (controller/subscriber.py), read at scrape time."""
+
+    def __init__(self, subscriber: KvEventSubscriber) -> None:
+        self._subscriber = subscriber
+
+    def collect(self) -> Iterator[Any]:
+        sub = self._subscriber
+        counters = {
+            "received": CounterMetricFamily(
+                "sluice_kv_batches_received", "KV-event batches read off the sockets.", labels=["worker"]),
+            "applied": CounterMetricFamily(
+                "sluice_kv_batches_applied", "KV-event batches applied to the index (replayed ones included).",
+                labels=["worker"]),
+            "replayed": CounterMetricFamily(
+                "sluice_kv_batches_replayed", "KV-event batches applied from a replay socket.", labels=["worker"]),
+            "dropped": CounterMetricFamily(
+                "sluice_kv_batches_dropped", "KV-event batches dropped because the worker's queue was full "
+                "(then repaired from replay, or counted as a reset).", labels=["worker"]),
+            "gaps_repaired": CounterMetricFamily(
+                "sluice_kv_gaps_repaired", "Seq gaps filled completely from the replay socket.", labels=["worker"]),
+        }
+        resets = CounterMetricFamily("sluice_kv_index_resets",
+                                     "Worker KV-index resets by reason (restart, unrepairable gap, ...).",
+                                     labels=["worker", "reason"])
+        last_seq = GaugeMetricFamily("sluice_kv_last_seq", "Seq of the last KV-event batch applied.",
+                                     labels=["worker", "rank"])
+        for worker, stats in sub.stats.items():
+            for name, family in counters.items():
+                family.add_metric([worker], getattr(stats, name))
+            for reason, n in stats.resets.items():
+                resets.add_metric([worker, reason], n)
+            for rank, seq in stats.last_seq.items():
+                last_seq.add_metric([worker, str(rank)], seq)
+        yield from counters.values()
+        yield resets
+        yield last_seq
+        queued = GaugeMetricFamily("sluice_kv_queue_batches", "KV-event batches waiting to be applied.",
+                                   labels=["worker"])
+        for worker, depth in sub.queue_depths().items():
+            queued.add_metric([worker], depth)
+        yield queued
+        ignored = CounterMetricFamily("sluice_kv_messages_ignored",
+                                      "KV-event messages ignored: malformed, or on the bound socket for no worker it feeds.",
+                                      labels=["reason"])
+        for reason, n in sub.ignored.items():
+            ignored.add_metric([reason], n)
+        yield ignored
 
 
 class Metrics:
@@ -123,6 +181,10 @@ class Metrics:
         )
         self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=self.registry)
         self.up.set(1)
+
+    def watch_kv_events(self, subscriber: KvEventSubscriber) -> None:
+        """Export the KV-event subscriber's counters (controller/subscriber.py)."""
+        self.registry.register(_KvEventsCollector(subscriber))
 
     def render(self) -> Response:
         return Response(generate_latest(self.registry),
@@ -349,6 +411,7 @@ class AdminApi:
         if (denied := self._deny(request)) is not None:
             return denied
         ledger = self._admission.policy.ledger
+        ledger_index = self._admission.policy.index
         items = []
         for state in self._workers.states.values():
             u = ledger.utilization(state.name)
@@ -360,6 +423,8 @@ class AdminApi:
                 "capacity_source": state.capacity_source,
                 "capacity_error": state.capacity_error,
                 "utilization": u if math.isfinite(u) else None,
+                # KV-event subscriber: "kv_index" once the worker's events flow, else "estimate"
+                "utilization_source": "kv_index" if ledger_index.has_events(state.name) else "estimate",
                 "programs": len(ledger.worker(state.name).programs),
                 "last_error": state.last_error,
                 "last_check_unix": state.last_check_unix,

@@ -9,7 +9,10 @@ One YAML document, every top-level key optional except ``workers``::
     health_interval_s: 5.0
     capacity_retry_s: 5.0
     upstream: {connect_timeout_s: 5, read_timeout_s: 600, ...}
-    workers: [{name, url, kv_events, replay, directives, capacity_tokens?}, ...]
+    workers: [{name, url, kv_events, replay, kv_topic?, directives, capacity_tokens?}, ...]
+    kv_events_bind: tcp://*:5557          # llm-d layout: one SUB, topics kv@<worker>@<model>
+    kv_events_queue: 1000                 # batches queued per worker before drops (repaired)
+    kv_replay_timeout_s: 2.0
     policy: {...}                         # scheduler.config.PolicyConfig
 
 Errors name the key with its dotted path (``workers.1.url: ...``), as ``check-config`` does
@@ -70,6 +73,9 @@ class WorkerConfig(_Strict):
     url: str
     kv_events: str | None = None
     replay: str | None = None
+    # -- KV-event subscriber (controller/subscriber.py) --
+    # SUB filter (a topic prefix) on this worker's kv_events socket; None: every topic.
+    kv_topic: str | None = None
     directives: str | None = None
     capacity_tokens: Annotated[int, Field(gt=0)] | None = None
 
@@ -116,6 +122,15 @@ class ServeConfig(_Strict):
     models: list[str] | None = None
     log_level: str = "info"
     upstream: UpstreamConfig = UpstreamConfig()
+    # -- KV-event subscriber (controller/subscriber.py) --
+    # llm-d layout: Sluice binds one SUB here and engines connect to it with topic
+    # kv@<worker>@<model>; workers without their own kv_events are fed from it.
+    kv_events_bind: str | None = None
+    # Batches queued per worker between the socket reader and the applier; past it batches
+    # are dropped, counted and repaired from the worker's replay socket.
+    kv_events_queue: Annotated[int, Field(ge=1)] = 1000
+    # Longest wait for each message of a replay answer before the repair gives up.
+    kv_replay_timeout_s: Seconds = 2.0
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
     policy: PolicyConfig = PolicyConfig()
 
@@ -128,6 +143,13 @@ class ServeConfig(_Strict):
         if level not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"must be one of debug, info, warning, error, critical, got {value!r}")
         return level
+
+    @field_validator("kv_events_bind")
+    @classmethod
+    def _zmq_bind(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
 
     @field_validator("workers")
     @classmethod

@@ -1,0 +1,564 @@
+"""KV events from the engines into the policy's index (DESIGN.md §5, "KV events").
+
+Two layouts, both on pyzmq's asyncio sockets:
+
+- **Per worker**: each worker with ``kv_events`` gets a SUB socket connected to that
+  endpoint (bound instead when it holds ``*``), subscribed to ``kv_topic`` (all topics when
+  unset). Every frame on it belongs to that worker, whatever its topic.
+- **llm-d**: with ``kv_events_bind`` set, Sluice binds ONE SUB there and the engines connect
+  to it with topic ``kv@<worker>@<model>`` (``kv@<worker>`` also works). The worker is
+  taken from the topic: the longest configured worker name that the topic names. Workers
+  that have their own ``kv_events`` are not fed from the bound socket (their frames there
+  are ignored and counted: two publishers under one name would mix two seq streams).
+
+A message is vLLM's ``[topic, seq (8 bytes big-endian), msgpack([ts, events, rank])]``. An
+extra fourth frame, when present, is read as the publisher's *epoch*
+(:func:`publisher_epoch`, the hook for the Sluice engine plugin's per-start stamp).
+
+**Streams.** Sequence numbers count per publisher, and a data-parallel engine has one
+publisher per rank, so a stream is (worker, ``data_parallel_rank``). Its batches go to the
+index under the worker's name; a batch of rank ``r > 0`` goes to the worker
+``f"{worker}#dp{r}"`` when the config has one (the ledger knows workers by name only, so a
+rank can be scheduled on separately only if it is configured as a worker), and otherwise to
+the worker itself: the ranks' blocks then share one index, and a reset caused by one rank
+clears them all (the others catch up from their replay buffers). Replay of a rank: in the
+per-worker layout, the worker's ``replay`` (the endpoints name one publisher); in the llm-d
+layout, the ``f"{worker}#dp{r}"`` worker's ``replay`` when set, else the worker's ``replay``
+offset as vLLM offsets it for rank ``r`` (tcp port + r).
+
+**Reader → queue → applier.** A reader task per socket only splits frames, peeks the rank
+(without decoding the events) and puts the batch on its worker's queue, which holds at most
+``kv_events_queue`` batches. When it is full the batch is dropped and counted; the drop is
+then repaired like any other gap: by the next batch of that stream (its seq jumps), or,
+when no batch follows, as soon as the queue has drained. One applier task per worker decodes
+batches with :class:`~scheduler.kv_events.EventBatchDecoder` and feeds them, in seq order,
+to ``policy.observe_kv`` under the admission lock.
+
+**Per batch of a stream** (``expected`` is the next seq the stream should carry):
+
+- ``seq == expected``: applied.
+- ``seq > expected`` (a gap: the network, the SUB's high-water mark or our queue dropped
+  batches): the missing ``[expected, seq)`` are asked from the worker's replay socket
+  (DEALER: send ``[b"", expected]``, read ``[b"", topic, seq, payload]`` until seq −1) and
+  applied in order, then the batch itself. Replayed batches past the gap are read and
+  ignored: the queue still holds them, so nothing is applied twice and a lower seq can only
+  mean a restart. If the replay no longer starts at ``expected`` (its buffer moved on), has
+  no answer within ``kv_replay_timeout_s``, or the worker has no ``replay``, the worker's
+  index is reset and rebuilt from what the replay still holds and the events that follow.
+- ``seq < expected``, or a new publisher epoch: the engine restarted; the worker's index is
+  reset and the new publisher's stream is caught up from seq 0 by replay. (vLLM's own
+  publisher sends no epoch, so a restart whose first batch to arrive is already at or past
+  ``expected`` cannot be told from the old stream going on; the plugin's epoch closes that
+  hole.)
+- A stream seen for the first time, or again after a reset, is caught up from seq 0 by
+  replay when its first batch is not seq 0 (Sluice started after the engine, or the SUB
+  joined late): what the buffer still holds is applied, and nothing counts as lost, since
+  the index holds nothing of that stream yet.
+- A batch that does not decode cannot be applied or repaired: the index is reset and
+  rebuilt from the next batch on.
+
+Resets are counted by reason (:data:`RESET_REASONS`). A loop that fails is logged with its
+context and restarted after a backoff; an applier that failed resets the indexes it feeds,
+since a batch may have been half applied.
+
+Only this module's tasks touch the subscriber's state, all on the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import zmq
+import zmq.asyncio
+
+from controller.admission import Admission
+from controller.serve_config import ServeConfig, WorkerConfig
+from scheduler.kv_events import EventBatchDecoder
+
+END_SEQ = b"\xff" * 8
+TOPIC_PREFIX = "kv@"
+RESET_REASONS = (
+    "gap_beyond_replay",  # the replay buffer no longer holds the missing batches
+    "no_replay",          # a gap, and the worker has no replay endpoint
+    "replay_failed",      # the replay socket did not answer (in time) or answered garbage
+    "seq_backwards",      # the engine restarted (its seq started over)
+    "epoch_changed",      # the engine restarted (a new publisher epoch)
+    "undecodable",        # a batch that cannot be decoded, so cannot be applied
+    "subscriber_error",   # the applier failed mid-batch
+)
+IGNORE_REASONS = ("malformed", "unknown_topic", "worker_has_endpoint")
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+# A loop that ran this long before failing starts over at the shortest backoff.
+BACKOFF_RESET_AFTER_S = 30.0
+
+
+def publisher_epoch(frames: list[bytes]) -> bytes | None:
+    """The publisher's epoch, if the message carries one: the hook for the Sluice engine
+    plugin's per-start stamp (DESIGN.md §5, plugin (d)), sent as a fourth frame. vLLM's
+    own publisher sends three frames, so its restarts show as seq going backwards."""
+    return frames[3] if len(frames) > 3 and frames[3] else None
+
+
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where a data-parallel rank's socket is, by vLLM's rule: a tcp port plus the rank
+    (port 0 stays 0), ``inproc://`` names get ``_dp<rank>``. None when unknown."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        base, sep, port = endpoint.rpartition(":")
+        if sep and port.isdigit():
+            return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return None
+
+
+def worker_from_topic(topic: bytes, names: list[str]) -> str | None:
+    """The worker a ``kv@<worker>@<model>`` (or ``kv@<worker>``) topic names: the longest
+    of ``names`` that fits, since names and models may both hold ``@``."""
+    try:
+        text = topic.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not text.startswith(TOPIC_PREFIX):
+        return None
+    rest = text[len(TOPIC_PREFIX):]
+    for name in sorted(names, key=len, reverse=True):
+        if rest == name or rest.startswith(name + "@"):
+            return name
+    return None
+
+
+def _attach(socket: zmq.Socket, endpoint: str) -> str:
+    """Bind an endpoint holding a wildcard, connect to any other; the endpoint in effect."""
+    if "*" in endpoint:
+        socket.bind(endpoint)
+        return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    socket.connect(endpoint)
+    return endpoint
+
+
+class _Peek(msgspec.Struct, array_like=True):
+    """A batch with its events left undecoded: the reader only needs the rank."""
+
+    ts: msgspec.Raw
+    events: msgspec.Raw
+    data_parallel_rank: int | None = None
+
+
+class ReplayError(Exception):
+    """The replay socket did not answer in time, or answered something else."""
+
+
+@dataclass(slots=True)
+class KvEventStats:
+    """Counters of one index key (a configured worker), read by the metrics collector."""
+
+    received: int = 0
+    applied: int = 0
+    replayed: int = 0
+    dropped: int = 0
+    gaps_repaired: int = 0
+    resets: dict[str, int] = field(default_factory=dict)
+    last_seq: dict[int, int] = field(default_factory=dict)  # rank -> seq last applied
+
+
+class _Stream:
+    """One publisher's seq stream: (worker, data-parallel rank)."""
+
+    __slots__ = ("worker", "rank", "index_key", "replay", "expected", "fresh", "epoch",
+                 "pending_reset", "resets")
+
+    def __init__(self, worker: str, rank: int, index_key: str, replay: str | None) -> None:
+        self.worker = worker
+        self.rank = rank
+        self.index_key = index_key
+        self.replay = replay
+        self.expected = 0
+        # Nothing of this stream has been applied since its index key was last emptied, so
+        # batches missing before the next one applied cost nothing (catch-up, not a gap).
+        self.fresh = True
+        self.epoch: bytes | None = None
+        # Another stream reset the index key this one feeds: catch up from seq 0.
+        self.pending_reset = False
+        self.resets = 0
+
+
+class _Source:
+    """One worker's queue and applier; the streams of its ranks."""
+
+    def __init__(self, worker: WorkerConfig, bound: bool, hwm: int) -> None:
+        self.worker = worker
+        self.name = worker.name
+        self.bound = bound  # fed from the kv_events_bind socket
+        self.hwm = hwm
+        self.send, self.receive = anyio.create_memory_object_stream[tuple](max_buffer_size=hwm)
+        self.enqueued = 0   # batches put on the queue so far (the next one's position)
+        self.dropping = 0   # batches dropped since the queue last accepted one
+        # rank -> (seq, queue position at the time) of the latest batch dropped
+        self.drops: dict[int, tuple[int, int]] = {}
+        self.streams: dict[int, _Stream] = {}
+
+    @property
+    def queued(self) -> int:
+        return self.receive.statistics().current_buffer_used
+
+
+class KvEventSubscriber:
+    """Subscribes to every worker's KV events and feeds them to ``admission.policy``."""
+
+    def __init__(self, config: ServeConfig, admission: Admission, log: Any) -> None:
+        self._admission = admission
+        self._log = log.bind(component="kv_events")
+        self._workers = {w.name: w for w in config.workers}
+        self._bind = config.kv_events_bind
+        self._replay_timeout_s = config.kv_replay_timeout_s
+        self._decoder = EventBatchDecoder()
+        self._peek = msgspec.msgpack.Decoder(_Peek)
+        self._sources: dict[str, _Source] = {}
+        for worker in config.workers:
+            if worker.kv_events is not None:
+                self._sources[worker.name] = _Source(worker, False, config.kv_events_queue)
+            elif self._bind is not None:
+                self._sources[worker.name] = _Source(worker, True, config.kv_events_queue)
+        self.stats: dict[str, KvEventStats] = {name: KvEventStats() for name in self._workers}
+        self.ignored: dict[str, int] = {reason: 0 for reason in IGNORE_REASONS}
+        self.bound_endpoint: str | None = None  # where kv_events_bind ended up (port 0 → real)
+        self._ctx: zmq.asyncio.Context | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self._sources) or self._bind is not None
+
+    def queue_depths(self) -> dict[str, int]:
+        return {name: source.queued for name, source in self._sources.items()}
+
+    # -- the tasks -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read and apply until cancelled (returns at once when no worker has events)."""
+        if not self.active:
+            return
+        self._ctx = zmq.asyncio.Context()
+        try:
+            async with anyio.create_task_group() as tg:
+                for source in self._sources.values():
+                    tg.start_soon(self._supervise, "applier", self._apply_loop, source,
+                                  self._recover, {"worker": source.name})
+                    if not source.bound:
+                        tg.start_soon(self._supervise, "reader", self._read_worker, source, None,
+                                      {"worker": source.name, "endpoint": source.worker.kv_events})
+                if self._bind is not None:
+                    tg.start_soon(self._supervise, "bound reader", self._read_bound, None, None,
+                                  {"endpoint": self._bind})
+        finally:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    async def _supervise(self, what: str, loop: Callable[..., Awaitable[None]], arg: Any,
+                         on_failure: Callable[[Any], Awaitable[None]] | None,
+                         context: dict[str, Any]) -> None:
+        """Run ``loop`` for ever: a failure is logged with its context, then the loop is
+        restarted after a backoff that doubles up to BACKOFF_MAX_S."""
+        backoff = BACKOFF_MIN_S
+        while True:
+            started = time.monotonic()
+            try:
+                await (loop() if arg is None else loop(arg))
+                self._log.error("KV-event loop ended by itself; restarting", loop=what,
+                                retry_s=backoff, **context)
+            except Exception:
+                self._log.exception("KV-event loop failed; restarting", loop=what,
+                                    retry_s=backoff, **context)
+                if on_failure is not None:
+                    try:
+                        await on_failure(arg)
+                    except Exception:
+                        self._log.exception("KV-event loop recovery failed", loop=what, **context)
+            if time.monotonic() - started > BACKOFF_RESET_AFTER_S:
+                backoff = BACKOFF_MIN_S
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _read_worker(self, source: _Source) -> None:
+        assert self._ctx is not None and source.worker.kv_events is not None
+        socket = self._ctx.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            topic = source.worker.kv_topic or ""
+            socket.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            endpoint = _attach(socket, source.worker.kv_events)
+            self._log.info("subscribed to KV events", worker=source.name, endpoint=endpoint,
+                           topic=topic)
+            while True:
+                frames = await socket.recv_multipart()
+                self._accept(source, frames)
+                await anyio.lowlevel.checkpoint()  # a flood must not starve the gateway
+        finally:
+            socket.close(linger=0)
+
+    async def _read_bound(self) -> None:
+        assert self._ctx is not None and self._bind is not None
+        socket = self._ctx.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            socket.bind(self._bind)
+            self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._log.info("KV events bound (llm-d layout)", endpoint=self.bound_endpoint,
+                           workers=[s.name for s in self._sources.values() if s.bound])
+            names = list(self._workers)
+            while True:
+                frames = await socket.recv_multipart()
+                name = worker_from_topic(frames[0], names) if frames else None
+                if name is None:
+                    self._ignore("unknown_topic", topic=frames[0][:200].decode("utf-8", "replace")
+                                 if frames else None)
+                else:
+                    source = self._sources.get(name)
+                    if source is None or not source.bound:
+                        self._ignore("worker_has_endpoint", worker=name)
+                    else:
+                        self._accept(source, frames)
+                await anyio.lowlevel.checkpoint()
+        finally:
+            self.bound_endpoint = None
+            socket.close(linger=0)
+
+    def _accept(self, source: _Source, frames: list[bytes]) -> None:
+        """Queue one message of ``source``'s worker, or drop it when the queue is full."""
+        if len(frames) < 3 or len(frames[1]) != 8:
+            self._ignore("malformed", worker=source.name, frames=len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        try:
+            rank = max(self._peek.decode(frames[2]).data_parallel_rank or 0, 0)
+        except msgspec.DecodeError:
+            rank = 0  # the applier cannot decode it either, and resets the index (counted)
+        stats = self.stats[self._index_key(source, rank)]
+        stats.received += 1
+        try:
+            source.send.send_nowait((seq, rank, frames[2], publisher_epoch(frames), source.enqueued))
+        except anyio.WouldBlock:
+            stats.dropped += 1
+            source.drops[rank] = (seq, source.enqueued)
+            if source.dropping == 0:
+                self._log.warning("KV-event queue full; dropping batches (repaired from replay "
+                                  "later)", worker=source.name, kv_events_queue=source.hwm, seq=seq)
+            source.dropping += 1
+            return
+        source.enqueued += 1
+        if source.dropping:
+            self._log.info("KV-event queue accepts batches again", worker=source.name,
+                           dropped=source.dropping)
+            source.dropping = 0
+
+    def _ignore(self, reason: str, **context: Any) -> None:
+        n = self.ignored[reason] = self.ignored[reason] + 1
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th ... of each kind
+            self._log.warning("KV-event message ignored", reason=reason, count=n, **context)
+
+    # -- applying --------------------------------------------------------------------------
+
+    async def _apply_loop(self, source: _Source) -> None:
+        while True:
+            item = await source.receive.receive()
+            await self._handle(source, item)
+            if source.drops and source.queued == 0:
+                await self._repair_drops(source)
+
+    async def _handle(self, source: _Source, item: tuple) -> None:
+        seq, rank, payload, epoch, position = item
+        stream = self._stream(source, rank)
+        self._take_pending(stream)
+        if epoch is not None:
+            if stream.epoch is not None and epoch != stream.epoch:
+                await self._reset(stream, "epoch_changed", seq=seq)
+                self._forget_drops(source, rank, position)
+            stream.epoch = epoch
+        if seq < stream.expected:
+            await self._reset(stream, "seq_backwards", seq=seq, expected=stream.expected)
+            self._forget_drops(source, rank, position)
+        if seq > stream.expected:
+            await self._repair(stream, seq - 1)
+        await self._apply(stream, seq, payload, replayed=False)
+
+    async def _repair_drops(self, source: _Source) -> None:
+        """The queue has drained, but batches dropped at its end were never followed by one
+        that would show the gap: repair up to the last one dropped."""
+        drops, source.drops = source.drops, {}
+        for rank, (seq, _) in drops.items():
+            stream = self._stream(source, rank)
+            self._take_pending(stream)
+            if seq >= stream.expected:
+                await self._repair(stream, seq)
+
+    @staticmethod
+    def _forget_drops(source: _Source, rank: int, position: int) -> None:
+        """After a restart, drops that happened before this batch was queued belong to the
+        old publisher."""
+        drop = source.drops.get(rank)
+        if drop is not None and drop[1] <= position:
+            del source.drops[rank]
+
+    async def _repair(self, stream: _Stream, upto: int) -> None:
+        """Apply the stream's batches ``[expected, upto]`` from the replay socket; reset the
+        index when they are not all there (unless the stream is fresh)."""
+        needed = stream.expected
+        was_fresh = stream.fresh
+        resets = stream.resets
+        problem: str | None = None
+        if stream.replay is None:
+            problem = "no replay endpoint"
+            if not stream.fresh:
+                await self._reset(stream, "no_replay", needed=needed, upto=upto)
+        else:
+            try:
+                async with self._replay(stream.replay, needed) as next_batch:
+                    while (got := await next_batch()) is not None:
+                        seq, payload = got
+                        if seq > upto:
+                            break  # the queue holds the rest
+                        if seq < stream.expected:
+                            continue
+                        if seq > stream.expected:  # the buffer starts past what is missing
+                            if not stream.fresh:
+                                await self._reset(stream, "gap_beyond_replay", needed=stream.expected,
+                                                  first_replayed=seq)
+                            stream.expected = seq
+                        await self._apply(stream, seq, payload, replayed=True)
+            except ReplayError as err:
+                problem = str(err)
+                if not stream.fresh:
+                    await self._reset(stream, "replay_failed", endpoint=stream.replay,
+                                      needed=stream.expected, problem=problem)
+        if stream.expected <= upto:  # the replay ended before the gap did
+            if not stream.fresh:
+                await self._reset(stream, "gap_beyond_replay", needed=stream.expected, upto=upto)
+            stream.expected = upto + 1
+        if stream.resets != resets:
+            return
+        stats = self.stats[stream.index_key]
+        if was_fresh:
+            self._log.info("KV-event stream caught up", worker=stream.index_key,
+                           publisher=stream.worker, rank=stream.rank, from_seq=needed,
+                           to_seq=upto, last_seq=stats.last_seq.get(stream.rank),
+                           problem=problem)
+        else:
+            stats.gaps_repaired += 1
+            self._log.debug("KV-event gap repaired from replay", worker=stream.index_key,
+                            rank=stream.rank, from_seq=needed, to_seq=upto)
+
+    async def _apply(self, stream: _Stream, seq: int, payload: bytes, replayed: bool) -> None:
+        try:
+            batch = self._decoder.decode(payload)
+        except msgspec.DecodeError as err:
+            await self._reset(stream, "undecodable", seq=seq, problem=str(err))
+            stream.expected = seq + 1
+            return
+        # Every policy call runs under the admission lock (Admission has no public
+        # observe_kv; a batch is applied whole, between two other policy calls).
+        async with self._admission._lock:
+            self._admission.policy.observe_kv(stream.index_key, batch)
+        stream.expected = seq + 1
+        stream.fresh = False
+        stats = self.stats[stream.index_key]
+        stats.applied += 1
+        if replayed:
+            stats.replayed += 1
+        stats.last_seq[stream.rank] = seq
+
+    async def _reset(self, stream: _Stream, reason: str, **context: Any) -> None:
+        """Empty the index of ``stream``'s worker. The stream starts over (fresh, at seq 0;
+        the caller moves it on); every other stream feeding that index catches up from its
+        replay at its next batch."""
+        key = stream.index_key
+        async with self._admission._lock:
+            self._admission.policy.reset_worker_kv(key)
+        resets = self.stats[key].resets
+        resets[reason] = resets.get(reason, 0) + 1
+        stream.resets += 1
+        stream.expected = 0
+        stream.fresh = True
+        for source in self._sources.values():
+            for other in source.streams.values():
+                if other is not stream and other.index_key == key:
+                    other.pending_reset = True
+        self._log.warning("KV index of a worker reset", worker=key, reason=reason,
+                          publisher=stream.worker, rank=stream.rank, **context)
+
+    async def _recover(self, source: _Source) -> None:
+        """The applier failed, maybe half-way through a batch: reset what it feeds."""
+        for stream in list(source.streams.values()):
+            await self._reset(stream, "subscriber_error")
+
+    @staticmethod
+    def _take_pending(stream: _Stream) -> None:
+        if stream.pending_reset:
+            stream.pending_reset = False
+            stream.expected = 0
+            stream.fresh = True
+
+    # -- streams and replay ----------------------------------------------------------------
+
+    def _index_key(self, source: _Source, rank: int) -> str:
+        if rank > 0:
+            name = f"{source.name}#dp{rank}"
+            if name in self._workers:
+                return name
+        return source.name
+
+    def _stream(self, source: _Source, rank: int) -> _Stream:
+        stream = source.streams.get(rank)
+        if stream is None:
+            key = self._index_key(source, rank)
+            replay = source.worker.replay
+            if source.bound and rank > 0:
+                # every rank connected to our socket; its replay socket is its own
+                own = self._workers[key].replay if key != source.name else None
+                replay = own or offset_endpoint(replay, rank)
+            stream = source.streams[rank] = _Stream(source.name, rank, key, replay)
+        return stream
+
+    @asynccontextmanager
+    async def _replay(self, endpoint: str, start_seq: int
+                      ) -> AsyncIterator[Callable[[], Awaitable[tuple[int, bytes] | None]]]:
+        """Ask ``endpoint`` for every buffered batch from ``start_seq`` on; yields a function
+        returning the next ``(seq, payload)``, or None after the end marker."""
+        assert self._ctx is not None
+        socket = self._ctx.socket(zmq.DEALER)  # a fresh one: no late answer to an old ask
+        timeout_ms = max(1, int(self._replay_timeout_s * 1000))
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            try:
+                socket.connect(endpoint)
+                await socket.send_multipart((b"", start_seq.to_bytes(8, "big")), flags=zmq.NOBLOCK)
+            except zmq.ZMQError as err:
+                raise ReplayError(f"cannot ask {endpoint} for a replay: {err}") from None
+
+            async def next_batch() -> tuple[int, bytes] | None:
+                try:
+                    if not await socket.poll(timeout_ms, zmq.POLLIN):
+                        raise ReplayError(f"{endpoint} did not answer within "
+                                          f"{self._replay_timeout_s}s")
+                    frames = await socket.recv_multipart()
+                except zmq.ZMQError as err:
+                    raise ReplayError(f"replay from {endpoint} failed: {err}") from None
+                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                    raise ReplayError(f"{endpoint} answered {len(frames)} frames, expected "
+                                      "[b'', topic, seq, payload]")
+                if frames[2] == END_SEQ:
+                    return None
+                return int.from_bytes(frames[2], "big"), frames[3]
+
+            yield next_batch
+        finally:
+            socket.close(linger=0)

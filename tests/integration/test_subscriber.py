@@ -1,0 +1,535 @@
+"""The gateway's KV-event subscriber (controller/subscriber.py) on real ZMQ sockets.
+
+Events come from a real simworker, or from :class:`FramePublisher`: vLLM 0.32's
+``ZmqEventPublisher`` framing (``[topic, seq (8 B big-endian), msgpack batch]``) and replay
+ROUTER (``[b"", start]`` → ``[b"", topic, seq, payload]``… then seq −1), written here with
+knobs to lose frames on purpose. The gateway's index is compared with a baseline index built
+from the publisher's whole history, so "repaired" means "equal to never having lost a thing".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import zmq
+from gateway_harness import ADMIN, ServerThread, free_port, gateway, serve_config, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.subscriber import offset_endpoint, worker_from_topic
+from scheduler.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventBatchDecoder,
+    EventBatchEncoder,
+    KVEvent,
+)
+from scheduler.kv_index import KVIndex, WorkerKV
+from sim.simworker import SimWorkerConfig, create_app
+
+BS = 16
+END_SEQ = b"\xff" * 8
+DEAD_URL = f"http://127.0.0.1:{free_port()}"  # nothing listens: workers fed only by events
+
+
+# -- a publisher with vLLM's framing and replay ----------------------------------------------
+
+
+class FramePublisher:
+    """PUB ``[topic, seq, payload(, epoch)]`` + a replay ROUTER served from a thread.
+
+    ``publish(..., send=False)`` buffers a batch for replay without sending it: the frame
+    is lost on the way, as with a PUB/SUB high-water mark."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", replay: str | None = "tcp://127.0.0.1:*",
+                 topic: str = "", rank: int | None = 0, buffer_steps: int = 10_000,
+                 epoch: bytes | None = None, bind: bool | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.topic = topic.encode()
+        self.rank = rank
+        self.epoch = epoch
+        self.next_seq = 0
+        self.history: list[bytes] = []  # every payload, by seq
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._encoder = EventBatchEncoder()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.endpoint = self._attach(self.pub, endpoint, bind)
+        self.replay: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if replay is not None:
+            router = self.ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            self.replay = self._attach(router, replay, bind)
+            self._thread = threading.Thread(target=self._serve, args=(router,), daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _attach(socket: zmq.Socket, endpoint: str, bind: bool | None) -> str:
+        """Bind (a wildcard endpoint, or ``bind``), else connect."""
+        if bind or (bind is None and "*" in endpoint):
+            socket.bind(endpoint)
+            return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        socket.connect(endpoint)
+        return endpoint
+
+    def publish(self, events: list[KVEvent], send: bool = True) -> int:
+        return self.publish_raw(self._encoder.encode(EventBatch(time.time(), list(events), self.rank)),
+                                send)
+
+    def publish_raw(self, payload: bytes, send: bool = True) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        self.history.append(payload)
+        with self._lock:
+            self._buffer.append((seq, payload))
+        if send:
+            frames = [self.topic, seq.to_bytes(8, "big"), payload]
+            if self.epoch is not None:
+                frames.append(self.epoch)
+            self.pub.send_multipart(frames)
+        return seq
+
+    def _serve(self, router: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not router.poll(20):
+                    continue
+                client, _, start = router.recv_multipart()
+                start_seq = int.from_bytes(start, "big")
+                with self._lock:
+                    buffered = [(s, p) for s, p in self._buffer if s >= start_seq]
+                for seq, payload in buffered:
+                    router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
+                router.send_multipart([client, b"", b"", END_SEQ, b""])
+        finally:
+            router.close(linger=0)
+
+    def close(self) -> None:
+        if self.ctx.closed:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+@contextmanager
+def publisher(**kwargs: Any) -> Iterator[FramePublisher]:
+    pub = FramePublisher(**kwargs)
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+class Workload:
+    """Deterministic stores (chained per session, some re-touching resident blocks) and
+    removals, over hashes from ``base`` up."""
+
+    def __init__(self, seed: int, base: int = 1, sessions: int = 4) -> None:
+        self.rng = random.Random(seed)
+        self.next_hash = base
+        self.sessions = sessions
+        self.resident: list[int] = []
+        self.tails: dict[str, int] = {}
+
+    def batch(self) -> list[KVEvent]:
+        rng = self.rng
+        events: list[KVEvent] = []
+        for _ in range(rng.randint(1, 3)):
+            session = f"s{rng.randrange(self.sessions)}"
+            if self.resident and rng.random() < 0.35:
+                victims = rng.sample(self.resident, rng.randint(1, min(3, len(self.resident))))
+                for h in victims:
+                    self.resident.remove(h)
+                events.append(BlockRemoved(block_hashes=victims, medium="GPU"))
+                continue
+            if self.resident and rng.random() < 0.2:  # another session hits a resident block
+                hashes, parent = [rng.choice(self.resident)], None
+            else:
+                n = rng.randint(1, 3)
+                hashes = list(range(self.next_hash, self.next_hash + n))
+                self.next_hash += n
+                parent = self.tails.get(session)
+                if parent not in self.resident:
+                    parent = None
+                self.resident.extend(hashes)
+            self.tails[session] = hashes[-1]
+            events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                      token_ids=list(range(len(hashes) * BS)), block_size=BS,
+                                      lora_id=None, medium="GPU", lora_name=None, session_id=session))
+        return events
+
+
+# -- looking inside ----------------------------------------------------------------------------
+
+
+def snapshot(kv: WorkerKV) -> tuple[dict, dict]:
+    blocks = {h: (b.parent, b.tokens, b.prefix_tokens, b.admitter, b.continuation, tuple(b.sessions))
+              for h, b in kv.blocks.items()}
+    return blocks, dict(kv.session_tokens)
+
+
+def baseline(*payload_lists: list[bytes]) -> tuple[dict, dict]:
+    """The index an uninterrupted subscriber would hold after these batches."""
+    decoder = EventBatchDecoder()
+    index = KVIndex()
+    for payloads in payload_lists:
+        for payload in payloads:
+            index.apply_batch("w", decoder.decode(payload))
+    return snapshot(index.worker("w"))
+
+
+def index_of(gw, worker: str) -> tuple[dict, dict]:
+    return snapshot(gw.parts.admission.policy.index.worker(worker))
+
+
+def stats(gw, worker: str):
+    return gw.parts.kv_events.stats[worker]
+
+
+def applied_through(gw, worker: str, seq: int, rank: int = 0, timeout: float = 5.0) -> None:
+    wait_for(lambda: stats(gw, worker).last_seq.get(rank) == seq
+             and gw.parts.kv_events.queue_depths().get(worker, 0) == 0,
+             timeout=timeout, what=f"{worker} rank {rank} to apply seq {seq}")
+
+
+def sync(gw, pub: FramePublisher, worker: str, rank: int = 0) -> None:
+    """Publish empty batches until the gateway applies one: the subscription is live."""
+    deadline = time.monotonic() + 5
+    while True:
+        seq = pub.publish([])
+        try:
+            applied_through(gw, worker, seq, rank, timeout=0.25)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, f"{worker} never received events"
+
+
+def metric(gw, name: str, **labels: str) -> float | None:
+    text = gw.client.get("/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def resets(gw, worker: str) -> dict[str, int]:
+    return dict(stats(gw, worker).resets)
+
+
+def worker_entry(name: str, pub: FramePublisher | None = None, **extra: Any) -> dict:
+    entry: dict[str, Any] = {"name": name, "url": DEAD_URL, "capacity_tokens": 100_000, **extra}
+    if pub is not None:
+        entry["kv_events"] = pub.endpoint
+        if pub.replay is not None:
+            entry["replay"] = pub.replay
+    return entry
+
+
+def gateway_for(workers: list[dict], **overrides: Any):
+    return gateway(serve_config(workers, health_interval_s=30.0, **overrides))
+
+
+# -- pure helpers --------------------------------------------------------------------------------
+
+
+def test_topics_name_the_longest_configured_worker_and_ranks_offset_vllms_way():
+    names = ["w1", "w1@a", "gpu-0"]
+    assert worker_from_topic(b"kv@w1@model", names) == "w1"
+    assert worker_from_topic(b"kv@w1@a@org/model", names) == "w1@a"
+    assert worker_from_topic(b"kv@gpu-0", names) == "gpu-0"
+    assert worker_from_topic(b"kv@w2@model", names) is None
+    assert worker_from_topic(b"other@w1@model", names) is None
+    assert worker_from_topic(b"\xff", names) is None
+    assert offset_endpoint("tcp://10.0.0.1:5558", 2) == "tcp://10.0.0.1:5560"
+    assert offset_endpoint("tcp://10.0.0.1:5558", 0) == "tcp://10.0.0.1:5558"
+    assert offset_endpoint("tcp://*:0", 3) == "tcp://*:0"
+    assert offset_endpoint("inproc://replay", 1) == "inproc://replay_dp1"
+    assert offset_endpoint(None, 1) is None
+
+
+# -- a real simworker ----------------------------------------------------------------------------
+
+
+def _replay_all(endpoint: str) -> list[bytes]:
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        payloads = []
+        while True:
+            assert dealer.poll(5000), "no replay answer from the simworker"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return payloads
+            assert int.from_bytes(seq, "big") == len(payloads)
+            payloads.append(payload)
+    finally:
+        dealer.close()
+        ctx.term()
+
+
+def test_simworker_events_reach_the_gateway_index():
+    sim_app = create_app(SimWorkerConfig(name="sim0", num_blocks=400, block_size=BS,
+                                         kv_events="tcp://127.0.0.1:*", replay="tcp://127.0.0.1:*",
+                                         time_scale=0.05))
+    sim_server = ServerThread(sim_app).start()
+    sim = sim_app.state.worker
+    try:
+        workers = [{"name": "sim0", "url": sim_server.url, "kv_events": sim.kv_endpoint,
+                    "replay": sim.replay_endpoint},
+                   {"name": "quiet", "url": DEAD_URL}]  # no events, no capacity: never chosen
+        with gateway_for(workers, capacity_retry_s=0.05) as gw:
+            wait_for(lambda: gw.parts.workers.states["sim0"].capacity_tokens, what="sim0 capacity")
+            body = {"model": "sluice-sim", "max_tokens": 8, "messages": [
+                {"role": "system", "content": "You are a careful engineer. " * 30},
+                {"role": "user", "content": "Fix the failing test."}]}
+            r = gw.client.post("/v1/chat/completions", json=body, headers={"x-session-id": "sess-1"})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            last = sim.publisher.next_seq - 1
+            assert last >= 0
+            applied_through(gw, "sim0", last)
+            index = gw.parts.admission.policy.index
+            resident = index.session_tokens("sim0", "sess-1")
+            prompt = usage["prompt_tokens"]
+            assert prompt // BS * BS <= resident <= prompt + usage["completion_tokens"]
+            # exactly what the worker published, from seq 0 (however late the SUB joined)
+            assert index_of(gw, "sim0") == baseline(_replay_all(sim.replay_endpoint))
+            assert metric(gw, "sluice_worker_utilization_source", worker="sim0") == 1.0
+            assert metric(gw, "sluice_worker_utilization_source", worker="quiet") == 0.0
+            assert metric(gw, "sluice_kv_batches_applied_total", worker="sim0") == last + 1
+            assert metric(gw, "sluice_kv_last_seq", worker="sim0", rank="0") == last
+            listed = gw.client.get("/sluice/workers", headers=ADMIN).json()["workers"]
+            assert {w["name"]: w["utilization_source"] for w in listed} == {
+                "sim0": "kv_index", "quiet": "estimate"}
+            assert not resets(gw, "sim0")
+    finally:
+        sim_server.stop()
+
+
+# -- gaps, restarts, layouts, floods --------------------------------------------------------------
+
+
+def test_a_gap_is_repaired_from_replay_to_the_no_gap_index():
+    work = Workload(seed=1)
+    with publisher() as pub, gateway_for([worker_entry("w1", pub)]) as gw:
+        sync(gw, pub, "w1")
+        for i in range(40):
+            pub.publish(work.batch(), send=not 10 <= i < 20)  # ten frames lost on the way
+        last = pub.next_seq - 1
+        applied_through(gw, "w1", last)
+        assert index_of(gw, "w1") == baseline(pub.history)
+        lost = pub.history[-30:-20]
+        assert baseline([p for p in pub.history if p not in lost]) != baseline(pub.history)
+        s = stats(gw, "w1")
+        assert s.gaps_repaired == 1 and s.replayed >= 10 and not s.resets
+        assert metric(gw, "sluice_kv_gaps_repaired_total", worker="w1") == 1
+        assert metric(gw, "sluice_kv_batches_received_total", worker="w1") == s.received
+
+
+def test_a_gap_beyond_the_replay_buffer_resets_and_rebuilds():
+    work = Workload(seed=2)
+    with publisher(buffer_steps=5) as pub, gateway_for([worker_entry("w1", pub)]) as gw:
+        sync(gw, pub, "w1")
+        for i in range(31):
+            pub.publish(work.batch(), send=not 10 <= i < 30)  # 20 lost, the buffer keeps 5
+        last = pub.next_seq - 1
+        applied_through(gw, "w1", last)
+        assert resets(gw, "w1") == {"gap_beyond_replay": 1}
+        # rebuilt from what the replay still held (the last 4 lost) and the batch after
+        assert index_of(gw, "w1") == baseline(pub.history[-5:])
+        assert metric(gw, "sluice_kv_index_resets_total", worker="w1", reason="gap_beyond_replay") == 1
+        assert stats(gw, "w1").gaps_repaired == 0
+
+
+@pytest.mark.parametrize("epochs", [False, True], ids=["seq-backwards", "new-epoch"])
+def test_an_engine_restart_resets_the_workers_index(epochs):
+    first = FramePublisher(epoch=b"epoch-1" if epochs else None)
+    endpoint, replay = first.endpoint, first.replay
+    work = Workload(seed=3)
+    try:
+        with gateway_for([worker_entry("w1", first)]) as gw:
+            sync(gw, first, "w1")
+            for _ in range(20):
+                first.publish(work.batch())
+            applied_through(gw, "w1", first.next_seq - 1)
+            first.close()
+            # the engine comes back on the same sockets; its seq starts over
+            with publisher(endpoint=endpoint, replay=replay, bind=True,
+                           epoch=b"epoch-2" if epochs else None) as second:
+                fresh = Workload(seed=4, base=10_000)
+                time.sleep(0.3)  # the SUB reconnects every 100 ms
+                seq = second.publish(fresh.batch())
+                deadline = time.monotonic() + 5
+                while not resets(gw, "w1"):  # batches lost before the SUB reconnected are
+                    assert time.monotonic() < deadline  # caught up from the new replay
+                    time.sleep(0.05)
+                    seq = second.publish(fresh.batch())
+                assert seq < 20
+                applied_through(gw, "w1", seq)
+                assert resets(gw, "w1") == {"epoch_changed" if epochs else "seq_backwards": 1}
+                assert index_of(gw, "w1") == baseline(second.history)
+    finally:
+        first.close()
+
+
+def test_llm_d_layout_routes_by_topic_and_by_rank():
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    with publisher(endpoint=bind, topic="kv@w1@org/model") as rank0, \
+            publisher(endpoint=bind, topic="kv@w1@org/model", rank=1) as rank1, \
+            publisher(endpoint=bind, topic="kv@w1@org/model", rank=2, replay=None) as rank2, \
+            publisher(endpoint=bind, topic="kv@ghost@org/model", replay=None) as ghost:
+        workers = [worker_entry("w1", replay=rank0.replay), worker_entry("w2"),
+                   worker_entry("w1#dp1", replay=rank1.replay)]
+        with gateway_for(workers, kv_events_bind=bind, kv_replay_timeout_s=0.3) as gw:
+            sync(gw, rank0, "w1")
+            sync(gw, rank1, "w1#dp1", rank=1)
+            sync(gw, rank2, "w1", rank=2)  # no w1#dp2: rank 2 shares w1's index
+            a, b, c = Workload(5, base=1), Workload(6, base=100_000), Workload(7, base=200_000)
+            for _ in range(15):
+                rank0.publish(a.batch())
+                rank1.publish(b.batch())
+                rank2.publish(c.batch())
+            applied_through(gw, "w1", rank0.next_seq - 1)
+            applied_through(gw, "w1#dp1", rank1.next_seq - 1, rank=1)
+            applied_through(gw, "w1", rank2.next_seq - 1, rank=2)
+            assert index_of(gw, "w1") == baseline(rank0.history, rank2.history)
+            assert index_of(gw, "w1#dp1") == baseline(rank1.history)
+            assert index_of(gw, "w2") == ({}, {})
+            deadline = time.monotonic() + 5
+            while not gw.parts.kv_events.ignored["unknown_topic"]:
+                assert time.monotonic() < deadline, "ghost's frames never arrived"
+                ghost.publish(Workload(8).batch())
+                time.sleep(0.05)
+            assert metric(gw, "sluice_kv_messages_ignored_total", reason="unknown_topic") >= 1
+            assert metric(gw, "sluice_worker_utilization_source", worker="w2") == 0.0
+            assert metric(gw, "sluice_worker_utilization_source", worker="w1#dp1") == 1.0
+            assert not resets(gw, "w1") and not resets(gw, "w1#dp1")
+
+
+def test_a_flood_beyond_the_queue_is_dropped_counted_and_repaired():
+    work = Workload(seed=9)
+    with publisher() as pub, gateway_for([worker_entry("w1", pub)], kv_events_queue=4) as gw:
+        sync(gw, pub, "w1")
+        # Stall the applier: hold the admission lock on the gateway's own event loop.
+        loop = gw.server.server.servers[0].get_loop()
+        release = threading.Event()
+
+        async def hold_lock() -> None:
+            async with gw.parts.admission._lock:
+                while not release.is_set():
+                    await asyncio.sleep(0.01)
+
+        held = asyncio.run_coroutine_threadsafe(hold_lock(), loop)
+        try:
+            before = stats(gw, "w1").received
+            for _ in range(200):
+                pub.publish(work.batch())
+            wait_for(lambda: stats(gw, "w1").received - before == 200, what="the flood to be read")
+            dropped = stats(gw, "w1").dropped
+            assert dropped >= 200 - 4 - 1  # the queue holds 4, the applier 1
+            assert gw.parts.kv_events.queue_depths()["w1"] == 4
+        finally:
+            release.set()
+            held.result(5)
+        # the flood ended with dropped batches that no later batch reveals: the drained
+        # queue triggers their repair all the same
+        applied_through(gw, "w1", pub.next_seq - 1)
+        assert index_of(gw, "w1") == baseline(pub.history)
+        s = stats(gw, "w1")
+        assert s.dropped == dropped and s.replayed >= dropped
+        assert s.gaps_repaired >= 1 and not s.resets
+        assert metric(gw, "sluice_kv_batches_dropped_total", worker="w1") == dropped
+        for _ in range(5):  # and the stream goes on
+            pub.publish(work.batch())
+        applied_through(gw, "w1", pub.next_seq - 1)
+        assert index_of(gw, "w1") == baseline(pub.history) and not stats(gw, "w1").resets
+
+
+@pytest.mark.parametrize("case", ["no_replay", "replay_failed", "undecodable"])
+def test_an_unrepairable_stream_resets_by_reason_and_rebuilds(case):
+    work = Workload(seed=10)
+    with publisher(replay=None if case != "undecodable" else "tcp://127.0.0.1:*") as pub:
+        extra = {"replay": f"tcp://127.0.0.1:{free_port()}"} if case == "replay_failed" else {}
+        with gateway_for([worker_entry("w1", pub, **extra)], kv_replay_timeout_s=0.3) as gw:
+            sync(gw, pub, "w1")
+            for _ in range(5):
+                pub.publish(work.batch())
+            if case == "undecodable":
+                pub.publish_raw(b"\x93not a batch")
+            else:
+                pub.publish(work.batch(), send=False)
+            cut = pub.next_seq
+            for _ in range(5):
+                pub.publish(work.batch())
+            applied_through(gw, "w1", pub.next_seq - 1)
+            assert resets(gw, "w1") == {case: 1}
+            assert index_of(gw, "w1") == baseline(pub.history[cut:])
+            assert metric(gw, "sluice_worker_utilization_source", worker="w1") == 1.0
+
+
+# -- failures are logged and the loops restarted -------------------------------------------------
+
+
+def test_a_failing_applier_is_logged_reset_and_restarted():
+    work = Workload(seed=11)
+    with publisher() as pub, gateway_for([worker_entry("w1", pub)]) as gw:
+        sync(gw, pub, "w1")
+        policy = gw.parts.admission.policy
+        real = policy.observe_kv
+        calls = {"n": 0}
+
+        def flaky(worker, batch):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("index bug")
+            return real(worker, batch)
+
+        policy.observe_kv = flaky
+        for _ in range(10):
+            pub.publish(work.batch())
+        applied_through(gw, "w1", pub.next_seq - 1)
+        assert resets(gw, "w1") == {"subscriber_error": 1}
+        # the batch that failed half-way is gone with the reset; the replay brings it all back
+        assert index_of(gw, "w1") == baseline(pub.history)
+        failed = [line for line in gw.log.lines() if "KV-event loop failed" in line]
+        assert len(failed) == 1 and '"loop": "applier"' in failed[0] and '"worker": "w1"' in failed[0]
+        assert "RuntimeError: index bug" in failed[0]
+
+
+def test_a_busy_bind_address_is_retried_with_backoff():
+    port = free_port()
+    ctx = zmq.Context()
+    squatter = ctx.socket(zmq.PUB)
+    squatter.setsockopt(zmq.LINGER, 0)
+    squatter.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with gateway_for([worker_entry("w1")], kv_events_bind=f"tcp://127.0.0.1:{port}") as gw:
+            wait_for(lambda: any("KV-event loop failed" in line for line in gw.log.lines()),
+                     what="the bind failure to be logged")
+            assert gw.client.get("/health").status_code in (200, 503)  # the gateway still serves
+            squatter.close(linger=0)
+            wait_for(lambda: gw.parts.kv_events.bound_endpoint, timeout=8, what="the bind to succeed")
+            failed = [line for line in gw.log.lines() if "KV-event loop failed" in line]
+            assert f'"endpoint": "tcp://127.0.0.1:{port}"' in failed[0] and "retry_s" in failed[0]
+    finally:
+        squatter.close(linger=0)
+        ctx.term()
