@@ -27,6 +27,7 @@ from controller.errors import UNAVAILABLE, GatewayError
 from scheduler.actions import Action, Admit, Demote, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
+from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy, UnknownCall
 
 Directive = Retain | Demote | Release
@@ -201,6 +202,16 @@ class Admission:
             now = self._clock()
             self.policy.set_capacity(worker, capacity_tokens)
             self._carry_out(self.policy.tick(now), now)
+
+    async def observe_kv(self, worker: str, batch: EventBatch) -> None:
+        """Feed one decoded KV-event batch to the policy's index."""
+        async with self._lock:
+            self.policy.observe_kv(worker, batch)
+
+    async def reset_worker_kv(self, worker: str) -> None:
+        """Forget what the index knows of ``worker`` (engine restart, unrepairable gap)."""
+        async with self._lock:
+            self.policy.reset_worker_kv(worker)
 
     async def reconfigure(self, config: PolicyConfig) -> None:
         """Swap the policy's thresholds; ValueError when the policy kind would change."""

@@ -466,8 +466,7 @@ class KvEventSubscriber:
             return
         # Every policy call runs under the admission lock (Admission has no public
         # observe_kv; a batch is applied whole, between two other policy calls).
-        async with self._admission._lock:
-            self._admission.policy.observe_kv(stream.index_key, batch)
+        await self._admission.observe_kv(stream.index_key, batch)
         stream.expected = seq + 1
         stream.fresh = False
         stats = self.stats[stream.index_key]
@@ -481,8 +480,7 @@ class KvEventSubscriber:
         the caller moves it on); every other stream feeding that index catches up from its
         replay at its next batch."""
         key = stream.index_key
-        async with self._admission._lock:
-            self._admission.policy.reset_worker_kv(key)
+        await self._admission.reset_worker_kv(key)
         resets = self.stats[key].resets
         resets[reason] = resets.get(reason, 0) + 1
         stream.resets += 1
