@@ -57,6 +57,8 @@ class UpstreamConfig(_Strict):
     pool_timeout_s: Seconds = 30.0
     max_connections: Annotated[int, Field(ge=1)] = 1024
     max_keepalive_connections: Annotated[int, Field(ge=0)] = 256
+    # connections per worker are split over this many httpx clients, used in turn
+    pool_shards: Annotated[int, Field(ge=1, le=64)] = 8
 
 
 def _check_url(value: str, schemes: tuple[str, ...], what: str) -> str:

@@ -283,7 +283,14 @@ class StreamTap:
 
 
 class UpstreamPool:
-    """One pooled client per worker, closed together."""
+    """Pooled clients per worker, closed together.
+
+    Each worker's connections are split over ``pool_shards`` httpx clients used in turn:
+    httpcore scans every pooled connection on each request (a cost that grows with the
+    square of the pool at a hundred concurrent streams: encode/httpcore#1035), so several
+    small pools cost less than one large one. With ``pool_shards: 1`` it is the one pooled
+    client per worker of DESIGN.md §5.
+    """
 
     def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig) -> None:
         timeout = httpx.Timeout(
@@ -292,30 +299,39 @@ class UpstreamPool:
             write=config.write_timeout_s,
             pool=config.pool_timeout_s,
         )
+        shards = config.pool_shards
         limits = httpx.Limits(
-            max_connections=config.max_connections,
-            max_keepalive_connections=config.max_keepalive_connections,
+            max_connections=max(1, config.max_connections // shards),
+            max_keepalive_connections=max(0, config.max_keepalive_connections // shards),
         )
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
         self._clients = {
-            worker.name: httpx.AsyncClient(
-                base_url=worker.url, timeout=timeout, limits=limits, trust_env=False,
-                follow_redirects=False,
-            )
+            worker.name: [
+                httpx.AsyncClient(
+                    base_url=worker.url, timeout=timeout, limits=limits, trust_env=False,
+                    follow_redirects=False,
+                )
+                for _ in range(shards)
+            ]
             for worker in workers
         }
+        self._turn = {worker.name: 0 for worker in workers}
         self.urls = {worker.name: worker.url for worker in workers}
 
     def client(self, worker: str) -> httpx.AsyncClient:
-        return self._clients[worker]
+        shards = self._clients[worker]
+        turn = self._turn[worker]
+        self._turn[worker] = turn + 1
+        return shards[turn % len(shards)]
 
     def names(self) -> list[str]:
         return list(self._clients)
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
+        for shards in self._clients.values():
+            for client in shards:
+                await client.aclose()
 
 
 def transport_error(worker: str, err: httpx.HTTPError, mid_stream: bool = False) -> GatewayError:

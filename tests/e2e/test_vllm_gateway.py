@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from gateway_harness import Gateway, gateway, serve_config, wait_for
-from scheduler.kv_events import BlockStored, EventBatchDecoder
+from scheduler.kv_events import EventBatchDecoder
 from vllm_fleet import (
     BLOCK_SIZE,
     CAPACITY_TOKENS,

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -37,6 +38,7 @@ MAX_MODEL_LEN = 1024
 CAPACITY_TOKENS = NUM_BLOCKS * BLOCK_SIZE
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
+START_ATTEMPTS = 3  # a worker that loses a port race at start-up gets new ports
 LOG_TAIL_LINES = 60
 
 # vLLM's default block hash: sha256 over pickle, seeded with this string when PYTHONHASHSEED
@@ -45,10 +47,36 @@ LOG_TAIL_LINES = 60
 _NONE_HASH_SEED = "vllm-none-hash"
 
 
+_RNG = random.SystemRandom()
+_TAKEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, outside the kernel's ephemeral range: vLLM's own internal
+    sockets (and every other ``bind(0)`` on the machine) draw from that range, so a port
+    picked there may be taken again before the worker binds it."""
+    lo, hi = _ephemeral_range()
+    span = (10000, lo) if lo - 10000 >= 2000 else (hi + 1, 65535)
+    for _ in range(500):
+        port = _RNG.randrange(*span)
+        if port in _TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # the events sockets bind tcp://*:PORT
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {span}")
 
 
 def _sha256(obj: Any) -> bytes:
@@ -87,6 +115,7 @@ class VllmWorker:
     started_at: float = 0.0
     ready_s: float | None = None
     restarts: int = 0
+    spawns: int = 0
 
     @property
     def url(self) -> str:
@@ -187,11 +216,12 @@ class Fleet:
 
     def spawn(self, worker: VllmWorker) -> None:
         """Start the process (from the main thread: PR_SET_PDEATHSIG follows the thread)."""
-        mode = "a" if worker.restarts else "w"
-        with open(worker.log_path, mode) as log:
-            if worker.restarts:
-                log.write(f"\n===== restart {worker.restarts} =====\n")
+        with open(worker.log_path, "a" if worker.spawns else "w") as log:
+            if worker.spawns:
+                log.write(f"\n===== start {worker.spawns + 1} (ports {worker.port}, "
+                          f"{worker.events_port}, {worker.replay_port}) =====\n")
                 log.flush()
+            worker.spawns += 1
             worker.proc = subprocess.Popen(
                 self.command(worker), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=self.workdir, env=self.environment(worker),
@@ -200,14 +230,24 @@ class Fleet:
         worker.started_at = time.monotonic()
         worker.ready_s = None
 
-    def wait_ready(self, workers: Iterable[VllmWorker], timeout: float = STARTUP_TIMEOUT_S) -> None:
+    def wait_ready(self, workers: Iterable[VllmWorker], timeout: float = STARTUP_TIMEOUT_S,
+                   new_ports_on_clash: bool = False) -> None:
         """Poll every worker's /health until all answer 200 (they start in parallel).
-        Raises RuntimeError with the logs of the ones that died or did not make it."""
+        Raises RuntimeError with the logs of the ones that died or did not make it. With
+        ``new_ports_on_clash``, a worker that died because a port was taken meanwhile is
+        started again on new ports (up to START_ATTEMPTS starts)."""
         pending = {w.name: w for w in workers}
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while pending:
                 for name, worker in list(pending.items()):
+                    if not worker.alive and new_ports_on_clash and worker.spawns < START_ATTEMPTS \
+                            and "Address already in use" in worker.log_tail(400):
+                        self.stop(worker)
+                        worker.port, worker.events_port, worker.replay_port = \
+                            free_port(), free_port(), free_port()
+                        self.spawn(worker)
+                        continue
                     if not worker.alive:
                         code = worker.proc.returncode if worker.proc else None
                         raise RuntimeError(f"vLLM worker {name} exited with {code} during start-up; "
@@ -229,7 +269,7 @@ class Fleet:
         workers = [self.add(name) for name in names]
         for worker in workers:
             self.spawn(worker)
-        self.wait_ready(workers)
+        self.wait_ready(workers, new_ports_on_clash=True)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Crash a worker: ``sig`` to its whole process group, and wait for it."""

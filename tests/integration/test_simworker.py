@@ -350,7 +350,9 @@ def test_wall_latency_is_model_latency_times_the_time_scale(which, request):
     # alone on the engine: one prefill iteration, then n - 1 decode steps
     modelled = model.step_s(p, 1, p) + model.decode_run_s(1, p + 1, n - 1)
     expected = modelled * worker.worker.config.time_scale
-    assert 0.9 * expected <= wall <= 1.3 * expected + 0.05, (wall, expected)
+    # Never faster than the model; slower only by what a loaded machine adds (an ignored
+    # time scale would be 20x or 2x off, far outside this band).
+    assert 0.9 * expected <= wall <= 1.6 * expected + 0.3, (wall, expected)
 
 
 def test_a_stream_whose_client_disconnects_is_aborted_and_its_blocks_freed(slow):
