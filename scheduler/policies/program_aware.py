@@ -54,6 +54,15 @@ class ProgramAwarePolicy(Policy):
         # (deadline, session, parked_since): when a parked program must be force-resumed
         self._force_deadlines: list[tuple[float, str, float]] = []
 
+    def reconfigure(self, config: PolicyConfig) -> None:
+        halflife = self.config.resume_aging_halflife_s
+        super().reconfigure(config)
+        if config.resume_aging_halflife_s != halflife:
+            # The resume order's keys depend on the half-life: rebuild it.
+            self._queue = ResumeQueue(config.resume_aging_halflife_s)
+            for session in self._parked:
+                self._requeue(self.programs[session])
+
     # -- arrivals and completions ----------------------------------------------------
 
     def _arrival_of_known(self, program: Program, call: Call, now: float) -> Decision | None:

@@ -727,3 +727,14 @@ def test_idle_release_is_not_lost_to_float_rounding() -> None:
     d.p.tick(deadline)
     d.p.tick(5.0)
     assert "a" not in d.p.programs, "the idle deadline was dropped and never came back"
+
+
+def test_reconfigured_aging_half_life_reorders_the_resume_queue() -> None:
+    from scheduler.config import PolicyConfig
+
+    policy = make({"w0": CAP})
+    before = policy._queue
+    policy.reconfigure(policy.config.model_copy(update={"resume_aging_halflife_s": 5.0}))
+    assert policy._queue is not before
+    assert policy.config.resume_aging_halflife_s == 5.0
+    assert isinstance(policy.config, PolicyConfig)
