@@ -46,6 +46,9 @@ class DemoSetup:
     drain_s: float = 10.0
     seed: int = 7
     report_every_s: float = 3.0
+    # The demo's calls write ~64 tokens; the default reserve (512, sized for real agent
+    # turns) would hold back a quarter of these small pools for calls in flight.
+    growth_reserve_tokens: int = 128
 
     @property
     def capacity_tokens(self) -> int:
@@ -114,7 +117,7 @@ class _Fleet:
             "capacity_retry_s": 0.5,
             "log_level": "warning",
             "workers": workers,
-            "policy": {"name": self.policy},
+            "policy": {"name": self.policy, "growth_reserve_tokens": setup.growth_reserve_tokens},
         }
         path = self.workdir / f"{self.policy}-sluice.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
