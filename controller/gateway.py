@@ -42,6 +42,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from controller.admission import Admission, Admitted, DirectiveSink
+from controller.directives import ZmqDirectiveSink
 from controller.errors import (
     INTERNAL,
     INVALID_REQUEST,
@@ -141,6 +142,9 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     policy = make_policy(config.policy)
     for worker in config.workers:
         policy.add_worker(worker.name, worker.capacity_tokens)
+    if directive_sink is None and any(worker.directives for worker in config.workers):
+        # Retention directives to the engines' Sluice plugin (controller/directives.py)
+        directive_sink = ZmqDirectiveSink(config.workers, log)
     admission = Admission(policy, clock=clock, log=log, sink=directive_sink)
     pool = UpstreamPool(config.workers, config.upstream)
     workers = WorkerRegistry(config, pool, admission, log, wall_clock)

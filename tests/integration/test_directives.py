@@ -1,0 +1,69 @@
+"""The policy's retention actions reach each worker's engine plugin as KvHint envelopes over
+a real ZMQ socket, in the shape the plugin's parser accepts."""
+
+from __future__ import annotations
+
+import json
+
+import zmq
+from gateway_harness import chat, fakes, free_port, gateway, serve_config
+
+from controller.vllm_plugin.directives import parse_envelope
+
+
+def _receive(sock: zmq.Socket, timeout_ms: int = 5000) -> list[dict]:
+    messages = []
+    while sock.poll(timeout_ms):
+        messages.append(json.loads(sock.recv()))
+        timeout_ms = 300
+    return messages
+
+
+def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
+    port = free_port()
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with fakes("w0") as started:
+            _, server = started[0]
+            config = serve_config([{"name": "w0", "url": server.url, "capacity_tokens": 1_000_000,
+                                    "directives": f"tcp://127.0.0.1:{port}"}])
+            with gateway(config) as gw:
+                r = gw.client.post("/v1/chat/completions", json=chat(),
+                                   headers={"x-session-id": "keep-me"})
+                assert r.status_code == 200
+                messages = _receive(pull)
+    finally:
+        pull.close(linger=0)
+        context.term()
+    retains = [m for m in messages if m["actions"][0]["action_type"] == "kv.retain"]
+    assert retains, messages
+    envelope = retains[0]
+    assert envelope["protocol_version"] == 1 and envelope["message_id"]
+    action = envelope["actions"][0]
+    assert action["payload"]["session_id"] == "keep-me"
+    assert action["payload"]["priority"] == 90 and action["payload"]["ttl_s"] == 300.0
+    assert parse_envelope(json.dumps(envelope).encode()) == [("retain", "keep-me", 90, 300.0)]
+
+
+def test_released_program_sends_a_release_directive():
+    port = free_port()
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with fakes("w0") as started:
+            _, server = started[0]
+            config = serve_config([{"name": "w0", "url": server.url, "capacity_tokens": 1_000_000,
+                                    "directives": f"tcp://127.0.0.1:{port}"}])
+            with gateway(config) as gw:
+                r = gw.client.post("/v1/chat/completions", json=chat(),
+                                   headers={"x-session-id": "done-1", "x-dynamo-session-final": "true"})
+                assert r.status_code == 200
+                messages = _receive(pull)
+    finally:
+        pull.close(linger=0)
+        context.term()
+    kinds = [(m["actions"][0]["action_type"], m["actions"][0]["payload"]["session_id"]) for m in messages]
+    assert ("kv.release", "done-1") in kinds
