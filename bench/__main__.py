@@ -2,7 +2,8 @@
 
 Targets (for the reader; nothing here enforces them): tick p50/p99 ≤ 5 ms with 64 workers
 and 10,000 programs; KV ingest ≥ 300,000 hashes/s on one core; the Mooncake conversation
-replay on 8 workers ≤ 5 s; SWE-bench CC512 for 30 simulated minutes ≤ 30 s; the gateway
+replay on 8 workers ≤ 5 s; SWE-bench CC512 for 30 simulated minutes ≤ 30 s; the engine
+plugin's extra time per block allocation ≤ 5%. the gateway
 adds ≤ 1 ms p50 / ≤ 5 ms p99 to a stream at 100 concurrent streams (bench/gateway.py says how
 that is measured).
 """
@@ -14,13 +15,13 @@ import os
 import platform
 import sys
 
-from bench import common, gateway, kv_ingest, simulator, tick
+from bench import common, gateway, kv_ingest, plugin, simulator, tick
 from bench.common import progress
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("tick", "kv", "sim", "gateway"), action="append",
+    parser.add_argument("--only", choices=("tick", "kv", "sim", "gateway", "plugin"), action="append",
                         help="run only this benchmark (repeatable); default: all")
     parser.add_argument("--quick", action="store_true",
                         help="smaller sizes for a smoke run; its lines are named *_quick")
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                         "print the top functions to stderr")
     parser.add_argument("--ticks", type=int, default=200, help="timed ticks (default 200)")
     args = parser.parse_args(argv)
-    which = args.only or ["kv", "tick", "sim", "gateway"]
+    which = args.only or ["kv", "tick", "sim", "gateway", "plugin"]
     progress(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs, "
              f"load average {os.getloadavg()[0]:.2f} (other load on the machine skews timings)")
     if args.quick:
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if "sim" in which and not args.quick:
         simulator.run_mooncake()
         simulator.run_cc512()
+    if "plugin" in which and not args.quick:
+        plugin.run()
     if "gateway" in which:
         gateway.run(quick=args.quick, profile=args.profile)
     progress(f"done (load average {os.getloadavg()[0]:.2f})")

@@ -1,0 +1,32 @@
+"""``BENCH plugin_alloc_overhead_pct``: extra time per block allocation on vLLM's own
+``BlockPool`` with the Sluice engine plugin's patches (labels, removal attribution, retention
+classes) against without, measured in vLLM's virtualenv by ``bench/plugin_overhead_driver.py``.
+Target ≤ 5%."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from bench.common import progress, result
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def run() -> None:
+    if not VLLM_PYTHON.exists():
+        progress(f"skipping plugin_alloc_overhead_pct: {VLLM_PYTHON} not found (make vllm-venv)")
+        return
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "plugin_overhead_driver.py")],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    if done.returncode != 0:
+        progress(f"plugin benchmark failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        return
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    progress(f"plugin: {figures['plain_us_per_block']:.2f} µs/block plain, "
+             f"{figures['patched_us_per_block']:.2f} µs/block with the plugin")
+    result("plugin_alloc_overhead_pct", figures["overhead_pct"], "%")
