@@ -181,8 +181,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    except (OSError, AttributeError):
+        return  # not Linux/glibc: the parent's try/finally still stops the child
 
 
 class _Child:
@@ -221,8 +221,8 @@ class _Child:
                 try:
                     if client.get(url).status_code == 200:
                         return
-                except Exception:
-                    pass
+                except httpx.HTTPError:
+                    pass  # not listening yet
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.name} did not answer {url} within "
                                        f"{READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")

@@ -38,7 +38,7 @@ def _vllm_version() -> str:
     try:
         import vllm
         return str(getattr(vllm, "__version__", ""))
-    except Exception:  # pragma: no cover - vllm missing
+    except ImportError:  # pragma: no cover - vllm missing
         return ""
 
 
