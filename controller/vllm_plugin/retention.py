@@ -23,6 +23,11 @@ scheduler's thread when the pool next allocates (``get_new_blocks``) or when :me
 is called between steps, never concurrently with an allocation. TTLs use ``Retention.clock``
 (``time.monotonic`` by default) from when the directive was posted. The ZMQ directive socket
 that posts here lives in :mod:`controller.vllm_plugin.directives`.
+
+The class rules are written twice on purpose, here and in ``sim/block_pool.py``: this module runs
+inside vLLM's environment, where ``sim/`` (and its dependencies) cannot be imported.
+``tests/fidelity/test_vllm_plugin.py`` drives both through the same operations and directives
+and asserts the same evictions, so the two cannot drift apart unnoticed.
 """
 
 from __future__ import annotations
