@@ -15,7 +15,8 @@ log() { echo "[setup_vllm_venv] $*"; }
 install_plugin() {
     # The Sluice engine plugin (controller/vllm_plugin), registered under the
     # vllm.general_plugins entry point; it imports only the stdlib and what vLLM brings.
-    if "${PY}" -c 'import sys; from importlib.metadata import entry_points; sys.exit(0 if any(e.name == "sluice" for e in entry_points(group="vllm.general_plugins")) else 1)' >/dev/null 2>&1; then
+    # Checked from / so that a checkout's own egg-info in the current directory does not count.
+    if (cd / && "${PY}" -c 'import sys; from importlib.metadata import entry_points; sys.exit(0 if any(e.name == "sluice" for e in entry_points(group="vllm.general_plugins")) else 1)') >/dev/null 2>&1; then
         return
     fi
     log "installing the Sluice engine plugin into ${VENV}"
