@@ -11,32 +11,34 @@ from gateway_harness import chat, fakes, free_port, gateway, serve_config
 from controller.vllm_plugin.directives import parse_envelope
 
 
-def _receive(sock: zmq.Socket, timeout_ms: int = 5000) -> list[dict]:
-    messages = []
-    while sock.poll(timeout_ms):
-        messages.append(json.loads(sock.recv()))
-        timeout_ms = 300
-    return messages
-
-
-def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
+def _envelopes_for_call(headers: dict[str, str]) -> list[dict]:
+    """Send one call through a gateway whose worker has a directive endpoint (a PULL socket
+    bound here, standing in for the plugin) and return every envelope that arrived."""
     port = free_port()
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.bind(f"tcp://127.0.0.1:{port}")
+    messages = []
     try:
         with fakes("w0") as started:
             _, server = started[0]
             config = serve_config([{"name": "w0", "url": server.url, "capacity_tokens": 1_000_000,
                                     "directives": f"tcp://127.0.0.1:{port}"}])
             with gateway(config) as gw:
-                r = gw.client.post("/v1/chat/completions", json=chat(),
-                                   headers={"x-session-id": "keep-me"})
+                r = gw.client.post("/v1/chat/completions", json=chat(), headers=headers)
                 assert r.status_code == 200
-                messages = _receive(pull)
+                timeout_ms = 5000
+                while pull.poll(timeout_ms):
+                    messages.append(json.loads(pull.recv()))
+                    timeout_ms = 300
     finally:
         pull.close(linger=0)
         context.term()
+    return messages
+
+
+def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
+    messages = _envelopes_for_call({"x-session-id": "keep-me"})
     retains = [m for m in messages if m["actions"][0]["action_type"] == "kv.retain"]
     assert retains, messages
     envelope = retains[0]
@@ -48,22 +50,6 @@ def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
 
 
 def test_released_program_sends_a_release_directive():
-    port = free_port()
-    context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    pull.bind(f"tcp://127.0.0.1:{port}")
-    try:
-        with fakes("w0") as started:
-            _, server = started[0]
-            config = serve_config([{"name": "w0", "url": server.url, "capacity_tokens": 1_000_000,
-                                    "directives": f"tcp://127.0.0.1:{port}"}])
-            with gateway(config) as gw:
-                r = gw.client.post("/v1/chat/completions", json=chat(),
-                                   headers={"x-session-id": "done-1", "x-dynamo-session-final": "true"})
-                assert r.status_code == 200
-                messages = _receive(pull)
-    finally:
-        pull.close(linger=0)
-        context.term()
+    messages = _envelopes_for_call({"x-session-id": "done-1", "x-dynamo-session-final": "true"})
     kinds = [(m["actions"][0]["action_type"], m["actions"][0]["payload"]["session_id"]) for m in messages]
     assert ("kv.release", "done-1") in kinds
