@@ -12,9 +12,9 @@ from pathlib import Path
 
 from scheduler.config import PolicyConfig
 from scheduler.policies import make_policy
-from sim.programs import CallSpec, ProgramSpec
+from sim.programs import ProgramSpec
 from sim.report import Progress
-from sim.simulation import Batches, ClosedLoop, OpenLoop, ProgramFeed, SimResult, Simulation
+from sim.simulation import Batches, ClosedLoop, ProgramFeed, SimResult, Simulation
 from sim.step_time import preset as load_preset
 
 # The simulator's default block size. vLLM's GPU default is 16; 64 gives the same hit and
@@ -105,5 +105,5 @@ def replay_programs(fmt: str, path: Path, time_scale: float) -> tuple[list[Progr
     return scale_times(programs, time_scale), block_size
 
 
-__all__ = ["CallSpec", "DEFAULT_BLOCK_SIZE", "OpenLoop", "WORKLOADS", "replay_programs",
+__all__ = ["DEFAULT_BLOCK_SIZE", "WORKLOADS", "replay_programs",
            "run_policies", "scale_times", "trace_span_s", "workload_feed"]
