@@ -14,6 +14,9 @@ When vLLM runs the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 ``"MainProcess"``; that mode is recognised from the environment variable. ``SLUICE_PLUGIN=force``
 applies the patches anywhere, ``SLUICE_PLUGIN=off`` nowhere.
 
+Every KV-event message also carries the publisher's per-start epoch as a fourth frame
+(:mod:`controller.vllm_plugin.epoch`; ``SLUICE_PUBLISHER_EPOCH=off`` turns it off).
+
 When ``SLUICE_DIRECTIVE_ENDPOINT`` is set the engine core also listens there for retention
 directives (:mod:`controller.vllm_plugin.directives`).
 
@@ -56,9 +59,10 @@ def is_engine_core_process() -> bool:
 
 def apply_patches() -> None:
     """Apply every patch to vLLM's classes (idempotent)."""
-    from . import directives, labels, retention
+    from . import directives, epoch, labels, retention
     labels.apply()
     retention.apply()
+    epoch.apply()
     directives.start_from_env()
 
 

@@ -317,6 +317,8 @@ def test_restarted_worker_resets_its_index(fleet: Fleet):
         kv = gw.parts.admission.policy.index.worker(worker.name)
         assert kv.prefix_tokens(old) == 0, "the restarted engine's old blocks are still in the index"
         assert kv.prefix_tokens(new) == len(new) * BLOCK_SIZE
+        # the plugin's publisher epoch told the restart apart (not only a seq going backwards)
+        assert gw.parts.kv_events.stats[worker.name].resets.get("epoch_changed", 0) >= 1
 
 
 # -- (c) a worker crashes mid-stream (last: it leaves that worker down) -------------------------

@@ -4,7 +4,9 @@ Used by tests/e2e/conftest.py; the test modules import the helpers below. Each w
 ``python -m vllm.entrypoints.openai.api_server`` from ``.venv-vllm`` in a process group of
 its own (the API server, its EngineCore and worker processes), with prefix caching, KV
 events (ZMQ PUB) and their replay socket (ROUTER) on free loopback ports, a small KV pool,
-and its log in a file. Stopping sends SIGTERM to the group, then SIGKILL.
+and its log in a file. The Sluice plugin (installed into ``.venv-vllm`` by
+scripts/setup_vllm_venv.sh) listens for retention directives on a third free port
+(``SLUICE_DIRECTIVE_ENDPOINT``) and stamps the publisher epoch on every KV-event message. Stopping sends SIGTERM to the group, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class VllmWorker:
     port: int
     events_port: int
     replay_port: int
+    directive_port: int
     log_path: Path
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
@@ -130,6 +133,10 @@ class VllmWorker:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
     @property
+    def directive_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.directive_port}"
+
+    @property
     def topic(self) -> str:
         return f"kv@{self.name}@{MODEL_NAME}"
 
@@ -140,7 +147,7 @@ class VllmWorker:
     def gateway_entry(self) -> dict:
         """This worker as a ``workers:`` entry of the gateway's config."""
         return {"name": self.name, "url": self.url, "kv_events": self.events_endpoint,
-                "replay": self.replay_endpoint}
+                "replay": self.replay_endpoint, "directives": self.directive_endpoint}
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -202,6 +209,7 @@ class Fleet:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "SLUICE_DIRECTIVE_ENDPOINT": worker.directive_endpoint,
         })
         return env
 
@@ -209,7 +217,7 @@ class Fleet:
 
     def add(self, name: str) -> VllmWorker:
         index = len(self.workers)
-        worker = VllmWorker(name, index, free_port(), free_port(), free_port(),
+        worker = VllmWorker(name, index, free_port(), free_port(), free_port(), free_port(),
                             self.workdir / f"{name}.log")
         self.workers.append(worker)
         return worker
@@ -219,7 +227,8 @@ class Fleet:
         with open(worker.log_path, "a" if worker.spawns else "w") as log:
             if worker.spawns:
                 log.write(f"\n===== start {worker.spawns + 1} (ports {worker.port}, "
-                          f"{worker.events_port}, {worker.replay_port}) =====\n")
+                          f"{worker.events_port}, {worker.replay_port}, "
+                          f"{worker.directive_port}) =====\n")
                 log.flush()
             worker.spawns += 1
             worker.proc = subprocess.Popen(
@@ -244,8 +253,8 @@ class Fleet:
                     if not worker.alive and new_ports_on_clash and worker.spawns < START_ATTEMPTS \
                             and "Address already in use" in worker.log_tail(400):
                         self.stop(worker)
-                        worker.port, worker.events_port, worker.replay_port = \
-                            free_port(), free_port(), free_port()
+                        worker.port, worker.events_port, worker.replay_port, worker.directive_port = \
+                            free_port(), free_port(), free_port(), free_port()
                         self.spawn(worker)
                         continue
                     if not worker.alive:
@@ -340,6 +349,7 @@ class Received:
     seq: int
     payload: bytes
     batch: EventBatch
+    epoch: bytes | None = None
 
 
 class KvEventTap:
@@ -369,7 +379,8 @@ class KvEventTap:
             poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
             for sock, _ in poller.poll(100):
-                topic, seq, payload = sock.recv_multipart()
+                # [topic, seq, payload] from vLLM, plus the plugin's epoch as a fourth frame
+                topic, seq, payload, *rest = sock.recv_multipart()
                 try:
                     batch = self._decoder.decode(payload)
                 except Exception as err:  # noqa: BLE001 - recorded; the test asserts none
@@ -377,7 +388,8 @@ class KvEventTap:
                     continue
                 with self._lock:
                     self.received.append(Received(self._sockets[sock], topic.decode(),
-                                                  int.from_bytes(seq, "big"), payload, batch))
+                                                  int.from_bytes(seq, "big"), payload, batch,
+                                                  rest[0] if rest else None))
 
     def snapshot(self) -> list[Received]:
         with self._lock:
