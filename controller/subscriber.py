@@ -55,7 +55,8 @@ to ``policy.observe_kv`` under the admission lock.
   joined late): what the buffer still holds is applied, and nothing counts as lost, since
   the index holds nothing of that stream yet.
 - A batch that does not decode cannot be applied or repaired: the index is reset and
-  rebuilt from the next batch on.
+  rebuilt from the next batch on. An event of a type Sluice does not know (a newer engine's)
+  is not a decode failure: it is skipped and counted, and the rest of its batch applied.
 
 Resets are counted by reason (:data:`RESET_REASONS`). A loop that fails is logged with its
 context and restarted after a backoff; an applier that failed resets the indexes it feeds,
@@ -167,6 +168,9 @@ class KvEventStats:
     replayed: int = 0
     dropped: int = 0
     gaps_repaired: int = 0
+    # events of a type this version does not know (a newer engine's), skipped; the rest of
+    # their batch is applied
+    events_skipped: int = 0
     resets: dict[str, int] = field(default_factory=dict)
     last_seq: dict[int, int] = field(default_factory=dict)  # rank -> seq last applied
 
@@ -458,12 +462,21 @@ class KvEventSubscriber:
                             rank=stream.rank, from_seq=needed, to_seq=upto)
 
     async def _apply(self, stream: _Stream, seq: int, payload: bytes, replayed: bool) -> None:
+        skipped_before = self._decoder.skipped_total
         try:
             batch = self._decoder.decode(payload)
         except msgspec.DecodeError as err:
             await self._reset(stream, "undecodable", seq=seq, problem=str(err))
             stream.expected = seq + 1
             return
+        skipped = self._decoder.skipped_total - skipped_before
+        if skipped:
+            before = self.stats[stream.index_key].events_skipped
+            self.stats[stream.index_key].events_skipped += skipped
+            if before == 0:
+                self._log.warning("KV events of unknown types skipped (the rest of each batch is "
+                                  "applied)", worker=stream.index_key, seq=seq,
+                                  types=sorted(self._decoder.skipped))
         # Every policy call runs under the admission lock (Admission has no public
         # observe_kv; a batch is applied whole, between two other policy calls).
         await self._admission.observe_kv(stream.index_key, batch)

@@ -70,14 +70,44 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+_KNOWN_TYPES = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
+
+
 class EventBatchDecoder:
-    """Decodes one frame payload; keeps msgspec's compiled decoder between calls."""
+    """Decodes one frame payload; keeps msgspec's compiled decoder between calls.
+
+    An event of a type this version does not know (a newer engine's) does not fail the
+    batch: the known events are kept, in order, and the unknown ones are counted by type in
+    :attr:`skipped`. Failing the batch would make the subscriber reset the worker's index on
+    every such batch, which loses far more than one event it cannot interpret. A known event
+    that breaks its schema (a required key missing) still fails the whole batch.
+    """
 
     def __init__(self) -> None:
         self._decoder = msgspec.msgpack.Decoder(EventBatch)
+        self.skipped: dict[str, int] = {}
+        self.skipped_total = 0
 
     def decode(self, payload: bytes) -> EventBatch:
-        return self._decoder.decode(payload)
+        try:
+            return self._decoder.decode(payload)
+        except msgspec.ValidationError as err:
+            return self._decode_skipping_unknown(payload, err)
+
+    def _decode_skipping_unknown(self, payload: bytes, err: msgspec.ValidationError) -> EventBatch:
+        raw = msgspec.msgpack.decode(payload)
+        if not (isinstance(raw, list) and len(raw) in (2, 3) and isinstance(raw[1], list)):
+            raise err
+        unknown = [e.get("type") for e in raw[1]
+                   if isinstance(e, dict) and e.get("type") not in _KNOWN_TYPES]
+        if not unknown or any(not isinstance(kind, str) for kind in unknown):
+            raise err  # the failure is elsewhere (a known event breaks its schema, a bad tag)
+        raw[1] = [e for e in raw[1] if not (isinstance(e, dict) and e.get("type") not in _KNOWN_TYPES)]
+        batch = msgspec.convert(raw, EventBatch)
+        for kind in unknown:
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
+        self.skipped_total += len(unknown)
+        return batch
 
 
 class EventBatchEncoder:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from gateway_harness import ADMIN, ServerThread, free_port, gateway, serve_config, wait_for
@@ -343,6 +344,20 @@ def test_a_gap_is_repaired_from_replay_to_the_no_gap_index():
         assert s.gaps_repaired == 1 and s.replayed >= 10 and not s.resets
         assert metric(gw, "sluice_kv_gaps_repaired_total", worker="w1") == 1
         assert metric(gw, "sluice_kv_batches_received_total", worker="w1") == s.received
+
+
+def test_an_unknown_event_type_is_skipped_and_the_rest_of_its_batch_applied():
+    work = Workload(seed=5)
+    with publisher() as pub, gateway_for([worker_entry("w1", pub)]) as gw:
+        sync(gw, pub, "w1")
+        known = [EventBatchEncoder().encode(EventBatch(time.time(), work.batch(), 0)) for _ in range(3)]
+        for payload in known:
+            ts, events, rank = msgspec.msgpack.decode(payload)
+            events.insert(len(events) // 2, {"type": "BlockMovedToTier", "block_hashes": [1], "tier": "cpu"})
+            pub.publish_raw(msgspec.msgpack.encode([ts, events, rank]))
+        applied_through(gw, "w1", pub.next_seq - 1)
+        assert index_of(gw, "w1") == baseline(known)
+        assert stats(gw, "w1").events_skipped == 3 and not resets(gw, "w1")
 
 
 def test_a_gap_beyond_the_replay_buffer_resets_and_rebuilds():

@@ -179,6 +179,26 @@ def test_a_map_missing_a_vllm_required_key_is_rejected():
         decode(frame([broken]))
 
 
+def test_an_unknown_event_type_is_skipped_and_counted_and_the_known_ones_kept_in_order():
+    decoder = EventBatchDecoder()
+    future = {"type": "BlockMovedToTier", "block_hashes": [11], "tier": "cpu"}
+    batch = decoder.decode(frame([STORED_REQUIRED_ONLY, future, REMOVED, future, CLEARED], rank=2))
+    assert [type(e) for e in batch.events] == [BlockStored, BlockRemoved, AllBlocksCleared]
+    assert batch.events == decode(frame([STORED_REQUIRED_ONLY, REMOVED, CLEARED])).events
+    assert batch.data_parallel_rank == 2
+    assert decoder.skipped == {"BlockMovedToTier": 2}
+
+
+def test_a_known_event_breaking_its_schema_fails_the_batch_even_beside_an_unknown_type():
+    broken = {k: v for k, v in REMOVED.items() if k != "block_hashes"}
+    decoder = EventBatchDecoder()
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(frame([{"type": "SomethingNew"}, broken]))
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(frame([{"no_type": 1}]))
+    assert decoder.skipped == {}
+
+
 def test_decoder_is_reusable_across_frames():
     decoder = EventBatchDecoder()
     a = decoder.decode(frame([REMOVED]))
