@@ -24,6 +24,11 @@ first, LRU inside a class. Without directives every block is in the normal class
 pool is vLLM's. Retained sessions' blocks wait in a higher class until the TTL runs out;
 demoted or expired ones go to class 0, ahead of normal blocks. A bias, never a pin: when
 only retained blocks are free, they are evicted.
+
+With ``attribute_removals`` (the engine plugin's V1b, ``controller/vllm_plugin/labels.py``) each
+``BlockRemoved`` also names the continuation that first cached the hash and the prefix length
+in tokens it covers; the first caching of a hash wins while any block holds it, and the entry
+goes when the last block holding it is evicted. Off, the events are vLLM's own, byte for byte.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class PoolExhausted(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, attribute_removals: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be ≥ 2 (block 0 is the null block), got {num_blocks}")
         if block_size <= 0:
@@ -57,6 +62,9 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.enable_events = enable_events
+        self.attribute_removals = attribute_removals and enable_events
+        # hash -> (continuation id, prefix tokens) of its first caching (attribute_removals)
+        self._admitted: dict[BlockHash, tuple[str | None, int]] = {}
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # hash -> block id, or {block id: None} when duplicates exist (first one wins lookups)
@@ -157,7 +165,14 @@ class BlockPool:
             elif not entry:
                 del self._cached[block_hash]
                 self._duplicated -= 1
-        if self.enable_events:
+        if self.attribute_removals:
+            if block_hash in self._cached:  # another block still holds it: keep the entry
+                continuation_id, num_tokens = self._admitted.get(block_hash, (None, None))
+            else:
+                continuation_id, num_tokens = self._admitted.pop(block_hash, (None, None))
+            self._events.append(BlockRemoved([block_hash], MEDIUM_GPU, group_idx=0,
+                                             continuation_id=continuation_id, num_tokens=num_tokens))
+        elif self.enable_events:
             self._events.append(BlockRemoved([block_hash], MEDIUM_GPU, group_idx=0))
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -238,6 +253,7 @@ class BlockPool:
         if not self.enable_caching or num_cached >= num_full:
             return
         new_hashes: list[BlockHash] = []
+        admitted = self._admitted if self.attribute_removals else None
         for i in range(num_cached, num_full):
             block_id = block_ids[i]
             if block_id == 0:
@@ -254,6 +270,8 @@ class BlockPool:
                 self._duplicated += 1
             else:
                 entry[block_id] = None
+            if admitted is not None and block_hash not in admitted:
+                admitted[block_hash] = (continuation_id, (i + 1) * self.block_size)
             new_hashes.append(block_hash)
         if self.enable_events:
             parent = hashes[num_cached - 1] if num_cached > 0 else None
@@ -283,6 +301,7 @@ class BlockPool:
         if self._free_count != self.num_blocks - 1:
             return False
         self._cached.clear()
+        self._admitted.clear()
         self._duplicated = 0
         self.block_hash = [None] * self.num_blocks
         if self.enable_events:

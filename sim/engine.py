@@ -110,12 +110,14 @@ class Engine:
     def __init__(self, name: str, model: StepTimeModel, *, num_blocks: int | None = None,
                  block_size: int | None = None, report_reuse: bool = False,
                  enable_events: bool = True) -> None:
+        # The engine model is vLLM with the Sluice plugin: its removals carry attribution.
         self.name = name
         self.model = model
         self.block_size = block_size or model.block_size
         if num_blocks is None:
             num_blocks = model.kv_capacity_tokens // self.block_size + 1
-        self.pool = BlockPool(num_blocks, self.block_size, enable_events=enable_events)
+        self.pool = BlockPool(num_blocks, self.block_size, enable_events=enable_events,
+                              attribute_removals=True)
         self.report_reuse = report_reuse
         self.max_num_seqs = model.max_num_seqs
         self.max_num_batched_tokens = model.max_num_batched_tokens

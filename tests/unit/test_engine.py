@@ -262,6 +262,19 @@ def test_finished_request_frees_its_blocks_in_reverse_order():
     assert [engine.pool.get_cached_block(x) for x in a.hashes] == [1, 2, 3]
 
 
+def test_evicted_blocks_name_the_continuation_that_cached_them_and_their_prefix_length():
+    engine = Engine("w", MODEL, num_blocks=5)  # blocks 1..4
+    a = req("a", 10, 4, continuation="ca")    # 3 full blocks cached, the 4th unhashed
+    engine.add_request(a, 0.0)
+    now = run_to_idle(engine)
+    engine.pool.take_events()
+    engine.add_request(req("b", 10, 4, continuation="cb"), now)  # needs all 4 blocks
+    run_to_idle(engine, now)
+    removed = [e for e in engine.pool.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted((e.block_hashes[0], e.continuation_id, e.num_tokens) for e in removed) == [
+        (h, "ca", (i + 1) * BS) for i, h in enumerate(a.hashes[:3])]
+
+
 # -- recompute preemption -------------------------------------------------------------------
 
 
