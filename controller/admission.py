@@ -41,6 +41,7 @@ class DirectiveSink:
     def __init__(self, log: Any | None = None) -> None:
         self._log = log
         self.sent: dict[str, int] = {"retain": 0, "demote": 0, "release": 0}
+        self.dropped: dict[str, int] = {}  # worker -> directives that could not be queued
 
     def send(self, action: Directive) -> None:
         kind = type(action).__name__.lower()

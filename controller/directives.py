@@ -60,7 +60,6 @@ class ZmqDirectiveSink(DirectiveSink):
                 sock.connect(worker.directives)
                 self._sockets[worker.name] = sock
         self._ids = itertools.count()
-        self.dropped: dict[str, int] = {}
 
     def send(self, action: Directive) -> None:
         super().send(action)

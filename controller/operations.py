@@ -1,9 +1,10 @@
 """What an operator sees and touches: metrics, the admin API, request records, hot reload.
 
 - :class:`Metrics`: Prometheus metrics on the app's own :class:`CollectorRegistry`. Program
-  counts by state, the policy's counters (pauses, resumes, marks, forced resumes, holds, …)
-  and per-worker utilization are read from the policy when scraped, so they cannot drift
-  from it; hold time, upstream latency and requests are recorded as calls end.
+  counts by state, the policy's counters (pauses, resumes, marks, forced resumes, holds, …),
+  per-worker utilization and the KV index's eviction counters (evicted tokens, unknown and
+  attributed removals) are read from the policy when scraped, so they cannot drift from it;
+  hold time, upstream latency and requests are recorded as calls end.
 - :class:`AdminApi`: ``GET /sluice/programs``, ``GET /sluice/workers``, ``GET /sluice/config``,
   ``POST /sluice/programs/{id}/release``, ``POST /sluice/reload``, all behind
   ``Authorization: Bearer <admin_token>`` (401 without it or with a wrong one; 403 when no
@@ -40,6 +41,7 @@ from controller.serve_config import ServeConfig, load_serve_config
 from controller.subscriber import KvEventSubscriber
 from controller.workers import WorkerRegistry
 from scheduler.config import ConfigError
+from scheduler.kv_index import KVIndex
 from scheduler.programs import Lifecycle, Phase
 
 HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -103,6 +105,40 @@ class _PolicyCollector(Collector):
             placed.add_metric([load.name], len(load.programs))
             source.add_metric([load.name], 1.0 if policy.index.has_events(load.name) else 0.0)
         yield from (util, healthy, capacity, placed, source)
+        yield from _kv_index_families(policy.index)
+        sink = self._admission.sink
+        directives = CounterMetricFamily(
+            "sluice_directives_sent", "Retention directives the policy issued, by kind.", labels=["kind"])
+        for kind, n in sink.sent.items():
+            directives.add_metric([kind], n)
+        dropped = CounterMetricFamily(
+            "sluice_directives_dropped", "Directives not queued to a worker's engine plugin (its "
+            "queue full): hints lost, never correctness.", labels=["worker"])
+        for worker, n in sink.dropped.items():
+            dropped.add_metric([worker], n)
+        yield from (directives, dropped)
+
+
+def _kv_index_families(index: KVIndex) -> Iterator[Any]:
+    """Eviction counters of the policy's KV index (scheduler/kv_index.py), per worker."""
+    evicted = CounterMetricFamily(
+        "sluice_kv_evicted_tokens",
+        "Tokens of blocks the engine evicted that the KV index held (an evicted hash it never "
+        "held adds no tokens).", labels=["worker"])
+    unknown = CounterMetricFamily(
+        "sluice_kv_unknown_removals",
+        "Evicted hashes the KV index did not hold (stored before it subscribed, a lost batch, "
+        "or the last copy of a hash it dropped when an earlier copy went).", labels=["worker"])
+    attributed = CounterMetricFamily(
+        "sluice_kv_attributed_removals",
+        "Evicted hashes the engine plugin attributed to the continuation that admitted them.",
+        labels=["worker"])
+    for name in index.workers():
+        kv = index.worker(name)
+        evicted.add_metric([name], kv.evicted_tokens)
+        unknown.add_metric([name], kv.unknown_removals)
+        attributed.add_metric([name], kv.attributed_removals)
+    yield from (evicted, unknown, attributed)
 
 
 class _KvEventsCollector(Collector):
@@ -126,6 +162,9 @@ class _KvEventsCollector(Collector):
                 "(then repaired from replay, or counted as a reset).", labels=["worker"]),
             "gaps_repaired": CounterMetricFamily(
                 "sluice_kv_gaps_repaired", "Seq gaps filled completely from the replay socket.", labels=["worker"]),
+            "events_skipped": CounterMetricFamily(
+                "sluice_kv_events_skipped", "KV events of a type this Sluice does not know (a newer "
+                "engine's), skipped; the rest of their batches applied.", labels=["worker"]),
         }
         resets = CounterMetricFamily("sluice_kv_index_resets",
                                      "Worker KV-index resets by reason (restart, unrepairable gap, ...).",

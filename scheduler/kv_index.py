@@ -15,12 +15,43 @@ Semantics, chosen to match vLLM's block pool:
   (two requests computed the same block at once) and evicts one, the index drops the hash
   although a copy stays; it under-reports residency until the next store, never over.
 - ``BlockRemoved`` removes the block. Removing an unknown hash is counted, not fatal:
-  events may predate the subscription.
+  events may predate the subscription, a batch may have been lost, or (the duplicate case
+  above) the index dropped the hash at the first of two removals.
 - ``AllBlocksCleared`` and :meth:`KVIndex.reset_worker` empty a worker.
+
+Resident prefixes (:meth:`WorkerKV.continuation_tokens`) are contiguous from block 0. A block's
+position is its ``prefix_tokens``, counted from the first ancestor the index knows, so a chain
+whose start predates the subscription is measured short. Two rules keep the answer from
+running past evicted tokens:
+- *Holes.* A hash removed (known or not) while resident blocks name it as their parent is a
+  hole; a block whose chain of resident parents reaches a hole is in no resident prefix. The
+  hole lasts until that hash is stored again or its last child goes (a store under it joins
+  it). Any other parent the index does not hold starts a chain, like a root: it cannot be told
+  from one stored before the subscription.
+- *Caps.* The engine plugin attributes a removal to the continuation C that first admitted
+  the hash and the prefix length N the hash covers. For a hash the index does not know, that
+  is all it learns: C's resident prefix now ends before N, so no block labelled C ending at N
+  or beyond counts for C (its other blocks still do). A store labelled C whose blocks reach
+  position p re-admitted everything up to p (an engine stores a block only while all its
+  ancestors are resident), so it lifts C's caps at or below p and keeps the deeper ones; a
+  store under another label lifts nothing. Caps go with C's last labelled block, and none is
+  set for a C with no labelled block: a later store of C then ends below N or lifts it anyway.
+  Positions of a chain measured short are compared as they are: the answer for C stays below
+  N, a cap is lifted late, never early. Attribution is read from single-hash removals (the
+  plugin sends no other kind); a known removal needs no cap, the block and holes cover it.
+Cost: with no hole, a query reads each block of its continuations once, as before; with
+holes, each chain is walked once between changes to them (cached per block).
+
+Eviction accounting per worker: ``evicted_tokens`` sums the tokens of removed blocks the index
+knew; a removed unknown hash adds none (it covered at most a block, but how much is unknown;
+``num_tokens`` is its end position, not its size) and counts in ``unknown_removals``;
+``attributed_removals`` counts removed hashes that carried a continuation. Clears and resets
+are not evictions and count nothing. These counters survive clears and resets.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
 from scheduler.kv_events import (
@@ -35,12 +66,15 @@ from scheduler.kv_events import (
 
 
 class _Block:
-    __slots__ = ("parent", "tokens", "prefix_tokens", "admitter", "continuation", "sessions",
-                 "counted")
+    __slots__ = ("parent", "up", "tokens", "prefix_tokens", "admitter", "continuation",
+                 "sessions", "counted", "children", "checked", "rooted")
 
-    def __init__(self, parent: BlockHash | None, tokens: int, prefix_tokens: int,
-                 admitter: str | None, continuation: str | None) -> None:
+    def __init__(self, parent: BlockHash | None, up: _Block | None, tokens: int,
+                 prefix_tokens: int, admitter: str | None, continuation: str | None) -> None:
         self.parent = parent
+        # the parent's block when it was resident at admission: unlinking through it spares
+        # a lookup in ``blocks`` on every eviction
+        self.up = up
         self.tokens = tokens
         self.prefix_tokens = prefix_tokens
         self.admitter = admitter
@@ -49,13 +83,20 @@ class _Block:
         self.sessions: dict[str, None] = {}
         # how many of ``sessions`` are currently counted on the worker
         self.counted = 0
+        # resident blocks whose parent is this hash; -1 once removed
+        self.children = 0
+        # ``rooted`` (no hole above this block) is valid while ``checked`` is the worker's epoch
+        self.checked = -1
+        self.rooted = True
 
 
 class WorkerKV:
     """One worker's resident blocks and the per-session views derived from them.
 
     Invariants: ``session_tokens[s] == sum(b.tokens for b in blocks if s in b.sessions)``;
-    ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks)``.
+    ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks)``;
+    ``children(h) == sum(1 for b in blocks if b.parent == h)``, kept in ``blocks[h].children``
+    for a resident ``h``, else in ``holes[h]`` or ``_orphans[h]`` (disjoint; zero counts absent).
     """
 
     def __init__(self) -> None:
@@ -67,25 +108,66 @@ class WorkerKV:
         self.shared_tokens = 0
         self.events_seen = 0
         self.unknown_removals = 0
+        self.attributed_removals = 0
+        self.evicted_tokens = 0
+        # removed hash -> how many resident blocks still name it as their parent
+        self.holes: dict[BlockHash, int] = {}
+        # the same for hashes never seen removed (their chains start below them)
+        self._orphans: dict[BlockHash, int] = {}
+        # continuation -> ascending end positions its resident prefix no longer reaches
+        self.caps: dict[str, list[int]] = {}
+        # Bumped whenever a hash with resident children comes, or goes while not cut off
+        # already: only then can a block's ``rooted`` change, so cached values stay good.
+        self._epoch = 0
 
     # -- events ----------------------------------------------------------------------------
 
     def store(self, event: BlockStored) -> None:
         session = event.session_id
+        continuation = event.continuation_id
         parent = event.parent_block_hash
         parent_block = self.blocks.get(parent) if parent is not None else None
         prefix = parent_block.prefix_tokens if parent_block is not None else 0
+        blocks = self.blocks
+        holes, orphans = self.holes, self._orphans
+        above = parent_block
         for block_hash, tokens in zip(event.block_hashes, block_token_counts(event)):
             prefix += tokens
-            block = self.blocks.get(block_hash)
+            block = blocks.get(block_hash)
             if block is None:
-                block = _Block(parent, tokens, prefix, session, event.continuation_id)
-                self.blocks[block_hash] = block
-                if event.continuation_id is not None:
-                    self.continuation_blocks.setdefault(event.continuation_id, {})[block_hash] = None
+                block = _Block(parent, above, tokens, prefix, session, continuation)
+                blocks[block_hash] = block
+                if above is not None:
+                    above.children += 1
+                elif parent is not None:
+                    if parent in holes:
+                        holes[parent] += 1
+                    else:
+                        orphans[parent] = orphans.get(parent, 0) + 1
+                # filling a hole, or linking chains that started at this hash, may change
+                # which blocks are rooted
+                if holes and block_hash in holes:
+                    block.children = holes.pop(block_hash)
+                    self._epoch += 1
+                elif orphans and block_hash in orphans:
+                    block.children = orphans.pop(block_hash)
+                    self._epoch += 1
+                if continuation is not None:
+                    self.continuation_blocks.setdefault(continuation, {})[block_hash] = None
             if session is not None:
                 self._touch(block_hash, block, session)
             parent = block_hash
+            above = block
+        if continuation is not None and self.caps and event.block_hashes:
+            self._lift_caps(continuation, prefix)
+
+    def _lift_caps(self, continuation: str, reached: int) -> None:
+        caps = self.caps.get(continuation)
+        if caps is None or caps[0] > reached:
+            return
+        del caps[:bisect_right(caps, reached)]
+        if not caps:
+            del self.caps[continuation]
 
     def _touch(self, block_hash: BlockHash, block: _Block, session: str) -> None:
         if session in block.sessions:
@@ -99,12 +181,51 @@ class WorkerKV:
                 self.shared_tokens += block.tokens
 
     def remove(self, event: BlockRemoved) -> None:
-        for block_hash in event.block_hashes:
-            block = self.blocks.get(block_hash)
+        hashes = event.block_hashes
+        attributed = event.continuation_id
+        if attributed is not None:
+            self.attributed_removals += len(hashes)
+        blocks = self.blocks
+        holes, orphans = self.holes, self._orphans
+        for block_hash in hashes:
+            block = blocks.get(block_hash)
             if block is None:
                 self.unknown_removals += 1
+                if orphans and block_hash in orphans:
+                    holes[block_hash] = orphans.pop(block_hash)
+                    self._epoch += 1
+                if attributed is not None and event.num_tokens is not None and len(hashes) == 1:
+                    self._cap(attributed, event.num_tokens)
                 continue
-            del self.blocks[block_hash]
+            del blocks[block_hash]
+            self.evicted_tokens += block.tokens
+            parent = block.parent
+            children = block.children
+            block.children = -1
+            up = block.up
+            block.up = None
+            cut = False
+            if up is not None and up.children > 0:
+                up.children -= 1
+            elif parent is not None:
+                hole = holes.get(parent)
+                if hole is not None:
+                    # inlined: a chain evicted from its head comes here on every removal
+                    cut = True
+                    if hole > 1:
+                        holes[parent] = hole - 1
+                    else:
+                        del holes[parent]  # a hole nobody hangs from is forgotten
+                elif parent == block_hash:
+                    children -= 1  # it counted itself
+                else:
+                    self._unlink(parent)
+            if children:
+                # Its descendants lose their prefix, unless a hole above had cut them off
+                # already (the common case when eviction runs from a chain's head).
+                if not (cut or (block.checked == self._epoch and not block.rooted)):
+                    self._epoch += 1
+                holes[block_hash] = children
             if block.counted >= 2:
                 self.shared_tokens -= block.tokens * (block.counted - 1)
             for session in block.sessions:
@@ -121,6 +242,28 @@ class WorkerKV:
                 del labelled[block_hash]
                 if not labelled:
                     del self.continuation_blocks[block.continuation]
+                    if self.caps:
+                        self.caps.pop(block.continuation, None)
+
+    def _unlink(self, parent: BlockHash) -> None:
+        """A child of ``parent`` (not a hole) left; its ``up`` was not ``parent``'s block."""
+        above = self.blocks.get(parent)
+        if above is not None:
+            above.children -= 1
+            return
+        left = self._orphans[parent] - 1
+        if left:
+            self._orphans[parent] = left
+        else:
+            del self._orphans[parent]
+
+    def _cap(self, continuation: str, end: int) -> None:
+        if continuation not in self.continuation_blocks:
+            return  # nothing of it to hide; a later store of it ends below ``end`` or lifts it
+        caps = self.caps.setdefault(continuation, [])
+        i = bisect_left(caps, end)
+        if i == len(caps) or caps[i] != end:
+            caps.insert(i, end)
 
     def apply(self, event: KVEvent) -> None:
         self.events_seen += 1
@@ -140,6 +283,10 @@ class WorkerKV:
         self.session_blocks = {}
         self.continuation_blocks = {}
         self.shared_tokens = 0
+        self.holes = {}
+        self._orphans = {}
+        self.caps = {}
+        self._epoch += 1
 
     # -- counting ----------------------------------------------------------------------
 
@@ -171,12 +318,55 @@ class WorkerKV:
         return total
 
     def continuation_tokens(self, continuation_ids: Iterable[str]) -> int:
-        """The longest resident prefix admitted under any of these continuation ids."""
+        """The longest resident prefix admitted under any of these continuation ids: the
+        deepest block labelled with one of them that no hole cuts off and no cap of its
+        continuation excludes (see the module docstring)."""
         best = 0
+        blocks = self.blocks
+        check = bool(self.holes)
+        epoch = self._epoch
         for cid in continuation_ids:
-            for block_hash in self.continuation_blocks.get(cid, ()):
-                best = max(best, self.blocks[block_hash].prefix_tokens)
+            labelled = self.continuation_blocks.get(cid)
+            if not labelled:
+                continue
+            caps = self.caps.get(cid)
+            below = caps[0] if caps else None
+            for block_hash in labelled:
+                block = blocks[block_hash]
+                end = block.prefix_tokens
+                if end <= best or (below is not None and end >= below):
+                    continue
+                if check and not (block.rooted if block.checked == epoch else self._rooted(block)):
+                    continue
+                best = end
         return best
+
+    def _rooted(self, block: _Block) -> bool:
+        """Whether no hole lies above ``block``; walks each chain once per epoch."""
+        epoch = self._epoch
+        if block.checked == epoch:
+            return block.rooted
+        blocks, holes = self.blocks, self.holes
+        path = []
+        while True:
+            if block.checked == epoch:
+                # known, or on this walk already: a loop of resident blocks has no hole
+                rooted = block.rooted
+                break
+            block.checked, block.rooted = epoch, True
+            path.append(block)
+            parent = block.parent
+            if parent is None:
+                rooted = True
+                break
+            above = blocks.get(parent)
+            if above is None:
+                rooted = parent not in holes
+                break
+            block = above
+        for walked in path:
+            walked.rooted = rooted
+        return rooted
 
     @property
     def resident_tokens(self) -> int:

@@ -11,9 +11,10 @@ from gateway_harness import chat, fakes, free_port, gateway, serve_config
 from controller.vllm_plugin.directives import parse_envelope
 
 
-def _envelopes_for_call(headers: dict[str, str]) -> list[dict]:
+def _envelopes_for_call(headers: dict[str, str]) -> tuple[list[dict], str]:
     """Send one call through a gateway whose worker has a directive endpoint (a PULL socket
-    bound here, standing in for the plugin) and return every envelope that arrived."""
+    bound here, standing in for the plugin); return every envelope that arrived, and the
+    gateway's /metrics text after they did."""
     port = free_port()
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
@@ -31,14 +32,15 @@ def _envelopes_for_call(headers: dict[str, str]) -> list[dict]:
                 while pull.poll(timeout_ms):
                     messages.append(json.loads(pull.recv()))
                     timeout_ms = 300
+                metrics = gw.client.get("/metrics").text
     finally:
         pull.close(linger=0)
         context.term()
-    return messages
+    return messages, metrics
 
 
 def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
-    messages = _envelopes_for_call({"x-session-id": "keep-me"})
+    messages, _ = _envelopes_for_call({"x-session-id": "keep-me"})
     retains = [m for m in messages if m["actions"][0]["action_type"] == "kv.retain"]
     assert retains, messages
     envelope = retains[0]
@@ -50,6 +52,9 @@ def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
 
 
 def test_released_program_sends_a_release_directive():
-    messages = _envelopes_for_call({"x-session-id": "done-1", "x-dynamo-session-final": "true"})
+    messages, metrics = _envelopes_for_call({"x-session-id": "done-1", "x-dynamo-session-final": "true"})
     kinds = [(m["actions"][0]["action_type"], m["actions"][0]["payload"]["session_id"]) for m in messages]
     assert ("kv.release", "done-1") in kinds
+    sent = {kind: sum(1 for k, _ in kinds if k == f"kv.{kind}") for kind in ("retain", "demote", "release")}
+    for kind, n in sent.items():
+        assert f'sluice_directives_sent_total{{kind="{kind}"}} {float(n)}' in metrics, metrics

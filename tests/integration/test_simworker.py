@@ -322,7 +322,10 @@ def test_replay_returns_buffered_batches_then_the_end_marker(fast, zctx):
 
 
 def test_metrics_expose_cache_config_and_token_counters(fast):
-    chat(fast.url, user("Count me."), max_tokens=5)
+    # twice, long enough to fill whole blocks: the second call is a prefix hit of its own,
+    # whatever other tests left in the cache
+    for _ in range(2):
+        chat(fast.url, user("Count me and my cached prefix. " * 12), max_tokens=5)
     text = metrics(fast.url)
     [info] = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
     labels = dict(re.findall(r'(\w+)="([^"]*)"', info))

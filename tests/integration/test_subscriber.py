@@ -358,6 +358,7 @@ def test_an_unknown_event_type_is_skipped_and_the_rest_of_its_batch_applied():
         applied_through(gw, "w1", pub.next_seq - 1)
         assert index_of(gw, "w1") == baseline(known)
         assert stats(gw, "w1").events_skipped == 3 and not resets(gw, "w1")
+        assert metric(gw, "sluice_kv_events_skipped_total", worker="w1") == 3
 
 
 def test_a_gap_beyond_the_replay_buffer_resets_and_rebuilds():

@@ -24,8 +24,10 @@ def stored(hashes, session=None, parent=None, tokens=None, block_size=BS, contin
                        continuation_id=continuation)
 
 
-def removed(hashes):
-    return BlockRemoved(block_hashes=list(hashes), medium="GPU")
+def removed(hashes, continuation=None, num_tokens=None):
+    """A BlockRemoved; ``continuation``/``num_tokens`` are the engine plugin's attribution."""
+    return BlockRemoved(block_hashes=list(hashes), medium="GPU", continuation_id=continuation,
+                        num_tokens=num_tokens)
 
 
 def kv_with(*events) -> WorkerKV:
@@ -269,6 +271,186 @@ def test_removing_a_block_three_counted_sessions_share_drops_both_extra_counts()
     assert kv.shared_tokens == 0
 
 
+# -- contiguity: holes ---------------------------------------------------------------------
+
+
+def test_continuation_prefix_stops_at_evicted_middle_block():
+    kv = kv_with(stored([1, 2, 3, 4], session="a", continuation="c"))
+    assert kv.continuation_tokens(["c"]) == 64
+    kv.apply(removed([2]))
+    # blocks 3 and 4 are resident, but the prefix from block 0 ends at block 1
+    assert set(kv.blocks) == {1, 3, 4}
+    assert kv.continuation_tokens(["c"]) == 16
+    assert set(kv.holes) == {2}
+
+
+def test_evicted_ancestor_under_another_label_cuts_a_continuation_off_entirely():
+    kv = kv_with(stored([1, 2], session="a", continuation="c-sys"),
+                 stored([3, 4], session="a", parent=2, continuation="c-turn1"))
+    kv.apply(removed([1]))
+    assert kv.continuation_tokens(["c-turn1"]) == 0
+    assert kv.continuation_tokens(["c-turn1", "c-sys"]) == 0
+
+
+def test_restoring_the_evicted_middle_block_makes_the_prefix_whole_again():
+    kv = kv_with(stored([1, 2, 3, 4], session="a", continuation="c"), removed([2]))
+    kv.apply(stored([1, 2], session="b", continuation="c-other"))
+    assert not kv.holes
+    assert kv.continuation_tokens(["c"]) == 64
+
+
+def test_hole_is_forgotten_when_its_last_child_goes():
+    kv = kv_with(stored([1, 2, 3], session="a", continuation="c"), removed([2]))
+    assert set(kv.holes) == {2}
+    kv.apply(removed([3]))
+    assert not kv.holes
+    # a later child of that hash starts a chain of its own, as any unknown parent does
+    kv.apply(stored([5], session="a", parent=2, continuation="c2"))
+    assert kv.continuation_tokens(["c2"]) == 16
+
+
+def test_unknown_parent_removed_under_a_resident_child_is_a_hole():
+    # block 7's parent 99 predates the subscription; the engine evicts it (unattributed)
+    kv = kv_with(stored([7, 8], session="a", parent=99, continuation="c"))
+    assert kv.continuation_tokens(["c"]) == 32
+    kv.apply(removed([99]))
+    assert kv.unknown_removals == 1
+    assert kv.continuation_tokens(["c"]) == 0
+
+
+def test_cut_answers_follow_later_holes_and_fills():
+    # the cached contiguity must not outlive the hole it was computed under
+    kv = kv_with(stored([1, 2, 3], session="a", continuation="c"),
+                 stored([4], session="a", parent=3, continuation="d"), removed([3]))
+    assert kv.continuation_tokens(["d"]) == 0
+    assert kv.continuation_tokens(["c"]) == 32
+    kv.apply(stored([3], session="a", parent=2, continuation="c"))
+    assert kv.continuation_tokens(["d"]) == 64
+    kv.apply(removed([1]))
+    assert kv.continuation_tokens(["d"]) == 0
+    assert kv.continuation_tokens(["c"]) == 0
+
+
+# -- attribution: caps ---------------------------------------------------------------------
+
+
+def test_attributed_removal_of_unknown_hash_caps_continuation_prefix():
+    # c's first blocks predate the subscription: the index holds 3..5 (parent 2 never seen)
+    kv = kv_with(stored([3, 4, 5], session="a", parent=2, continuation="c"))
+    assert kv.continuation_tokens(["c"]) == 48
+    kv.apply(removed([77], continuation="c", num_tokens=32))
+    assert kv.unknown_removals == 1
+    assert kv.attributed_removals == 1
+    assert kv.caps == {"c": [32]}
+    assert kv.continuation_tokens(["c"]) == 16
+    assert kv.continuation_tokens(["c", "other"]) < 32
+    kv.apply(removed([78], continuation="c", num_tokens=16))
+    assert kv.caps == {"c": [16, 32]}
+    assert kv.continuation_tokens(["c"]) == 0
+
+
+def test_cap_leaves_other_continuations_alone():
+    kv = kv_with(stored([1, 2], session="a", continuation="c"),
+                 stored([3, 4], session="b", continuation="d"))
+    kv.apply(removed([77], continuation="c", num_tokens=16))
+    assert kv.continuation_tokens(["c"]) == 0
+    assert kv.continuation_tokens(["d"]) == 32
+    assert kv.continuation_tokens(["d", "c"]) == 32
+
+
+def test_restore_after_attributed_removal_lifts_cap():
+    kv = kv_with(stored([3, 4], session="a", parent=2, continuation="c"),
+                 removed([77], continuation="c", num_tokens=32))
+    assert kv.continuation_tokens(["c"]) == 16 and kv.caps == {"c": [32]}
+    kv.apply(stored([10], session="a", continuation="c"))  # reaches 16: not far enough
+    assert kv.caps == {"c": [32]}
+    # the engine stores c's blocks through position 32 again: everything up to it is resident
+    kv.apply(stored([11], session="a", parent=10, continuation="c"))
+    assert kv.caps == {}
+    assert kv.continuation_tokens(["c"]) == 32
+
+
+def test_restore_below_a_deeper_cap_lifts_only_the_caps_it_reaches():
+    # chunked prefill: the first chunk re-admits up to 32 tokens, the second would reach 64
+    kv = kv_with(stored([5, 6, 7, 8], session="a", parent=4, continuation="c"),
+                 removed([70], continuation="c", num_tokens=48),
+                 removed([71], continuation="c", num_tokens=16))
+    assert kv.caps == {"c": [16, 48]}
+    kv.apply(stored([20, 21], session="a", continuation="c"))
+    assert kv.caps == {"c": [48]}
+    assert kv.continuation_tokens(["c"]) == 32
+    kv.apply(stored([22, 23], session="a", parent=21, continuation="c"))
+    assert kv.caps == {}
+    assert kv.continuation_tokens(["c"]) == 64
+
+
+def test_store_under_another_label_does_not_lift_a_cap():
+    kv = kv_with(stored([3, 4], session="a", parent=2, continuation="c"),
+                 removed([77], continuation="c", num_tokens=32))
+    kv.apply(stored([10, 11, 12], session="b", continuation="c-child"))
+    assert kv.caps == {"c": [32]}
+    assert kv.continuation_tokens(["c"]) == 16
+
+
+def test_cap_is_dropped_with_the_continuations_last_block():
+    kv = kv_with(stored([3, 4], session="a", parent=2, continuation="c"),
+                 removed([77], continuation="c", num_tokens=16))
+    kv.apply(removed([3]))
+    assert kv.caps == {"c": [16]}
+    kv.apply(removed([4]))
+    assert kv.caps == {}
+    # attribution to a continuation with nothing resident leaves no cap behind
+    kv.apply(removed([78], continuation="c", num_tokens=16))
+    assert kv.caps == {} and kv.attributed_removals == 2
+
+
+def test_attributed_removal_of_a_known_hash_needs_no_cap():
+    kv = kv_with(stored([1, 2], session="a", continuation="c"))
+    kv.apply(removed([2], continuation="c", num_tokens=32))
+    assert kv.caps == {}
+    assert kv.attributed_removals == 1 and kv.unknown_removals == 0
+    assert kv.continuation_tokens(["c"]) == 16
+
+
+def test_attribution_on_a_multi_hash_removal_is_counted_but_sets_no_cap():
+    kv = kv_with(stored([3, 4], session="a", parent=2, continuation="c"))
+    kv.apply(removed([77, 78], continuation="c", num_tokens=16))
+    assert kv.attributed_removals == 2 and kv.unknown_removals == 2
+    assert kv.caps == {}
+
+
+def test_clear_drops_holes_and_caps_but_keeps_eviction_counters():
+    kv = kv_with(stored([1, 2, 3], session="a", continuation="c"), removed([2]),
+                 removed([77], continuation="c", num_tokens=16))
+    assert kv.holes and kv.caps
+    kv.apply(AllBlocksCleared())
+    assert not kv.holes and kv.caps == {}
+    assert (kv.evicted_tokens, kv.unknown_removals, kv.attributed_removals) == (16, 1, 1)
+
+
+# -- eviction accounting -------------------------------------------------------------------
+
+
+def test_evicted_tokens_counted_per_worker():
+    index = KVIndex()
+    index.apply_events("w0", [stored([1, 2, 3], session="a", tokens=40), removed([3]),
+                              removed([1]), removed([99])])
+    index.apply_events("w1", [stored([1], session="a"), removed([1], continuation="c",
+                                                                num_tokens=16)])
+    w0, w1 = index.worker("w0"), index.worker("w1")
+    assert w0.evicted_tokens == 8 + 16  # the unknown hash adds no tokens
+    assert w0.unknown_removals == 1 and w0.attributed_removals == 0
+    assert w1.evicted_tokens == 16 and w1.attributed_removals == 1
+    index.reset_worker("w0")
+    assert w0.evicted_tokens == 24  # counters are monotonic across resets
+
+
+def test_unknown_attributed_removal_counts_no_tokens():
+    kv = kv_with(removed([5], continuation="c", num_tokens=4096))
+    assert kv.evicted_tokens == 0
+    assert kv.unknown_removals == 1 and kv.attributed_removals == 1
+
+
 # -- the multi-worker facade ---------------------------------------------------------------
 
 
@@ -311,20 +493,22 @@ step = st.tuples(
     st.sampled_from(SESSIONS + [None]),
     st.sampled_from(HASHES + [None, 99]),  # parent
     st.sampled_from([4, 16]),  # block size
-    st.integers(0, 70),  # token ids sent
-    st.sampled_from(CONTINUATIONS + [None]),
+    st.integers(0, 70),  # token ids sent; a removal's num_tokens
+    st.sampled_from(CONTINUATIONS + [None]),  # a store's label; a removal's attribution
     st.integers(0, 3).map(bool),  # counted or not: mostly True, counting is what we test
 )
 
 
 def _op(raw: tuple) -> tuple:
     k, worker, hashes, session, parent, size, n_tokens, cont, flag = raw
-    if k < 11:
+    if k < 10:
         return ("store", worker, hashes, session, parent, size, n_tokens, cont)
-    if k < 16:
+    if k < 14:
         return ("count", worker, session or SESSIONS[0], flag)
     if k < 18:
-        return ("remove", worker, hashes)
+        # mostly one hash per event, as vLLM sends them (and attribution needs one)
+        return ("remove", worker, hashes if k == 17 else hashes[:1], cont,
+                n_tokens if n_tokens % 5 else None)
     return ("clear", worker) if k == 18 else ("reset", worker)
 
 
@@ -338,11 +522,20 @@ def _tokens_per_block(n_blocks: int, n_tokens: int, block_size: int) -> list[int
     return [len(ids[i * block_size:(i + 1) * block_size]) for i in range(n_blocks)]
 
 
-def _replay(history: list[tuple], worker: str, queries: list):
+def _replay(history: list[tuple], worker: str, queries: list) -> dict:
     """Brute force: rebuild ``worker``'s state from the first event on."""
-    blocks: dict = {}  # hash -> {"tokens", "prefix", "sessions": set, "cont"}
+    blocks: dict = {}  # hash -> {"tokens", "prefix", "sessions": set, "cont", "parent"}
     counted: set = set()
-    unknown = 0
+    holes: set = set()
+    caps: dict = {}  # continuation -> set of end positions
+    unknown = attributed = evicted = 0
+
+    def has_children(h) -> bool:
+        return any(b["parent"] == h for b in blocks.values())
+
+    def labelled(c) -> bool:
+        return any(b["cont"] == c for b in blocks.values())
+
     for op in history:
         if op[1] != worker:
             continue
@@ -353,19 +546,47 @@ def _replay(history: list[tuple], worker: str, queries: list):
             for h, t in zip(hashes, _tokens_per_block(len(hashes), n_tokens, size)):
                 running += t
                 if h not in blocks:
-                    blocks[h] = {"tokens": t, "prefix": running, "sessions": set(), "cont": cont}
+                    blocks[h] = {"tokens": t, "prefix": running, "sessions": set(), "cont": cont,
+                                 "parent": parent}
+                    holes.discard(h)
                 if session is not None:
                     blocks[h]["sessions"].add(session)
+                parent = h
+            if cont is not None:
+                caps[cont] = {n for n in caps.get(cont, ()) if n > running}
         elif kind == "remove":
-            for h in op[2]:
+            _, _, hashes, cont, num_tokens = op
+            if cont is not None:
+                attributed += len(hashes)
+            for h in hashes:
                 if h in blocks:
-                    del blocks[h]
+                    evicted += blocks.pop(h)["tokens"]
                 else:
                     unknown += 1
+                    if (cont is not None and num_tokens is not None and len(hashes) == 1
+                            and labelled(cont)):
+                        caps.setdefault(cont, set()).add(num_tokens)
+                if has_children(h):
+                    holes.add(h)
+                holes = {x for x in holes if has_children(x)}
         elif kind in ("clear", "reset"):
-            blocks = {}
+            blocks, holes, caps = {}, set(), {}
         elif kind == "count":
             (counted.add if op[3] else counted.discard)(op[2])
+        caps = {c: ns for c, ns in caps.items() if ns and labelled(c)}
+
+    def rooted(h) -> bool:
+        seen = set()
+        while h not in seen:  # a loop of resident blocks has no hole in it
+            seen.add(h)
+            parent = blocks[h]["parent"]
+            if parent is None:
+                return True
+            if parent not in blocks:
+                return parent not in holes
+            h = parent
+        return True
+
     per_session = {}
     for s in SESSIONS:
         mine = [b for b in blocks.values() if s in b["sessions"]]
@@ -380,12 +601,18 @@ def _replay(history: list[tuple], worker: str, queries: list):
                 break
             total += blocks[h]["tokens"]
         prefixes.append(total)
-    conts = {c: max((b["prefix"] for b in blocks.values() if b["cont"] == c), default=0)
+    conts = {c: max((b["prefix"] for h, b in blocks.items()
+                     if b["cont"] == c and rooted(h) and b["prefix"] < min(caps.get(c, [10**9]))),
+                    default=0)
              for c in CONTINUATIONS}
-    return per_session, shared, counted, prefixes, conts
+    return {"per_session": per_session, "shared": shared, "counted": counted,
+            "prefixes": prefixes, "conts": conts,
+            "holes": {h: sum(1 for b in blocks.values() if b["parent"] == h) for h in holes},
+            "caps": {c: sorted(ns) for c, ns in caps.items()},
+            "counters": (unknown, attributed, evicted)}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(history=ops, queries=st.lists(st.lists(st.sampled_from(HASHES), max_size=4), max_size=3))
 def test_index_matches_a_brute_force_replay_after_every_step(history, queries):
     index = KVIndex()
@@ -399,7 +626,8 @@ def test_index_matches_a_brute_force_replay_after_every_step(history, queries):
                              continuation_id=cont)
             index.apply_batch(worker, EventBatch(ts=float(i), events=[ev]))
         elif kind == "remove":
-            index.apply_batch(worker, EventBatch(ts=float(i), events=[removed(op[2])]))
+            ev = removed(op[2], continuation=op[3], num_tokens=op[4])
+            index.apply_batch(worker, EventBatch(ts=float(i), events=[ev]))
         elif kind == "clear":
             index.apply_batch(worker, EventBatch(ts=float(i), events=[AllBlocksCleared()]))
         elif kind == "reset":
@@ -408,14 +636,20 @@ def test_index_matches_a_brute_force_replay_after_every_step(history, queries):
             index.worker(worker).set_counted(op[2], op[3])
 
         for w in WORKERS:
-            per_session, shared, counted, prefixes, conts = _replay(history[: i + 1], w, queries)
+            want = _replay(history[: i + 1], w, queries)
             kv = index.worker(w)
-            assert kv.session_tokens == per_session, (w, history[: i + 1])
+            where = (w, history[: i + 1])
+            assert kv.session_tokens == want["per_session"], where
             for s in SESSIONS:
-                assert index.session_tokens(w, s) == per_session.get(s, 0)
-            assert sorted(index.sessions_on(w)) == sorted(per_session)
-            assert kv.shared_tokens == shared, (w, history[: i + 1])
-            assert set(kv.counted) == counted
-            assert [kv.prefix_tokens(q) for q in queries] == prefixes
-            for c, best in conts.items():
-                assert kv.continuation_tokens([c]) == best
+                assert index.session_tokens(w, s) == want["per_session"].get(s, 0)
+            assert sorted(index.sessions_on(w)) == sorted(want["per_session"])
+            assert kv.shared_tokens == want["shared"], where
+            assert set(kv.counted) == want["counted"]
+            assert [kv.prefix_tokens(q) for q in queries] == want["prefixes"]
+            assert kv.holes == want["holes"], where  # with how many children hang from each
+            assert kv.caps == want["caps"], where
+            for c, best in want["conts"].items():
+                assert kv.continuation_tokens([c]) == best, (c, where)
+            assert kv.continuation_tokens(CONTINUATIONS) == max(want["conts"].values()), where
+            assert (kv.unknown_removals, kv.attributed_removals, kv.evicted_tokens) == \
+                want["counters"], where
