@@ -52,7 +52,7 @@ class EpochStampedSocket:
 
 def epoch_of(publisher: Any) -> bytes | None:
     """The epoch a patched publisher stamps (None when it stamps none)."""
-    return publisher.__dict__.get(_ATTR)
+    return getattr(publisher, _ATTR, None)
 
 
 def enabled() -> bool:
@@ -66,7 +66,7 @@ def _wrap_init(orig):
         if not enabled() or self._pub is None:
             return
         epoch = os.urandom(EPOCH_BYTES)
-        self.__dict__[_ATTR] = epoch
+        setattr(self, _ATTR, epoch)
         self._pub = EpochStampedSocket(self._pub, epoch)
     return __init__
 

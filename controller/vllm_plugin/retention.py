@@ -19,8 +19,9 @@ keeping their relative LRU order. The session of a free comes from ``KVCacheMana
 
 Directives (``retain``/``demote``/``release``) arrive on any thread through a thread-safe inbox
 (:meth:`Retention.post`, or :func:`post` for every pool in the process); they are applied on the
-scheduler's thread when the pool next allocates (``get_new_blocks``) or when :meth:`Retention.drain`
-is called between steps, never concurrently with an allocation. TTLs use ``Retention.clock``
+scheduler's thread when the pool next allocates (``get_new_blocks``, in the free queue's
+``popleft_n``) or when :meth:`Retention.drain` is called between steps, never concurrently with an
+allocation. TTLs use ``Retention.clock``
 (``time.monotonic`` by default) from when the directive was posted. The ZMQ directive socket
 that posts here lives in :mod:`controller.vllm_plugin.directives`.
 
@@ -32,14 +33,13 @@ and asserts the same evictions, so the two cannot drift apart unnoticed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import heapq
 import logging
 import queue
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable
 
 from vllm.v1.core import block_pool as _bp
@@ -51,23 +51,120 @@ BlockPool = _bp.BlockPool
 UNHASHED_CLASS = -1
 LOW_CLASS = 0
 NORMAL_CLASS = 50
+# The pool's Retention, as a plain attribute: never through ``pool.__dict__``, which makes CPython
+# drop its fast attribute access on that object and slowed every BlockPool method by ~6%.
 _ATTR = "_sluice_retention"
+# A hashed class's queue is compacted once its stale entries exceed its live ones by this many;
+# ownership logs are swept once they hold this many records (and twice what the last sweep kept).
+COMPACT_SLACK = 64
+SWEEP_MIN = 1024
 _pools: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-class ClassedFreeQueue:
-    """Drop-in for vLLM's ``FreeKVCacheBlockQueue`` with eviction classes."""
+class _Freed:
+    """One free under a session: its blocks, of which those whose owner entry is this record
+    became the session's own in it (the others it already owned, or lost since)."""
 
-    def __init__(self, retention: "Retention", blocks: Iterable[Any]) -> None:
+    __slots__ = ("session", "blocks")
+
+    def __init__(self, session: str, blocks: list) -> None:
+        self.session = session
+        self.blocks = blocks
+
+
+class _Class:
+    """The free blocks of one hashed eviction class, LRU first. ``q`` may hold stale entries
+    (see :class:`ClassedFreeQueue`); ``live`` counts the others."""
+
+    __slots__ = ("cls", "q", "live", "stale")
+
+    def __init__(self, cls: int) -> None:
+        self.cls = cls
+        self.q: deque = deque()
+        self.live = 0
+        self.stale: dict[int, int] = {}     # block id -> stale entries of it in q
+
+    def take_out(self, block_id: int) -> None:
+        """The block leaves the class: its entry stays, counted as stale."""
+        stale = self.stale
+        stale[block_id] = stale.get(block_id, 0) + 1
+        self.live -= 1
+        if len(self.q) > 2 * self.live + COMPACT_SLACK:
+            self.compact()
+
+    def compact(self) -> None:
+        self.q = deque(self.blocks())
+        self.stale.clear()
+
+    def blocks(self) -> list:
+        """The live blocks, LRU first: a block's stale entries are its oldest ones."""
+        if not self.stale:
+            return list(self.q)
+        skip = dict(self.stale)
+        out = []
+        for block in self.q:
+            copies = skip.get(block.block_id)
+            if copies:
+                skip[block.block_id] = copies - 1
+            else:
+                out.append(block)
+        return out
+
+
+_FRONT = _Class(UNHASHED_CLASS)     # marks a free block without a hash in ``_where``
+
+
+class ClassedFreeQueue:
+    """Drop-in for vLLM's ``FreeKVCacheBlockQueue`` with eviction classes.
+
+    Every allocation and free of the engine goes through here, so the structures are chosen for
+    the per-block cost, which must stay close to vLLM's own linked list:
+
+    * Blocks without a hash sit in an ``OrderedDict`` (vLLM prepends them). Each hashed class is
+      a :class:`_Class` around a ``deque`` whose entries may be *stale*: a block taken out of the
+      middle (a prefix hit's ``touch``, a directive's re-class) stays in place, counted in the
+      class's ``stale``, and is skipped when it reaches the head. A block's stale entries always
+      precede its live one (blocks only ever join a hashed class at the tail), so counting is
+      enough. A class is compacted when its stale entries outnumber the live ones.
+    * Per-block state lives in lists indexed by block id: ``_where`` (the class a block joined
+      when it was last freed: only meaningful while it is free, which for vLLM is exactly while
+      its ``ref_cnt`` is 0, so nothing clears it) and ``_owner``.
+    * Ownership (DESIGN.md §5, ``sim/block_pool.py``): a cached block belongs to the session
+      whose free last brought it to ref count 0, is forgotten when the block is handed out
+      again, and a directive re-classes a session's free blocks in the order they became its
+      own. Rather than a per-session index updated per block, each free under a session appends
+      one :class:`_Freed` record to that session's log, and ``_owner[block_id]`` points at the
+      record the block became the session's own in; a log entry whose owner entry points
+      elsewhere is dead. Only directives read the logs (and prune them); the logs are swept of
+      dead records as they grow.
+    """
+
+    def __init__(self, retention: "Retention", blocks: Iterable[Any], num_blocks: int) -> None:
         self._r = retention
-        self._free: dict[int, OrderedDict] = {UNHASHED_CLASS: OrderedDict(), NORMAL_CLASS: OrderedDict()}
-        self._cls: dict[int, int] = {}
+        self._inbox_empty = retention.inbox.empty
+        self._expiries = retention._expiries          # the same list, only ever mutated
+        self._front: OrderedDict = OrderedDict()
+        normal = _Class(NORMAL_CLASS)
+        self._classes: dict[int, _Class] = {NORMAL_CLASS: normal}
+        self._order: list[_Class] = [normal]          # hashed classes, evicted-first first
+        self._where: list[_Class | None] = [None] * num_blocks
+        self._owner: list[_Freed | None] = [None] * num_blocks
+        self._logs: dict[str, list[_Freed]] = {}
+        self._records = 0              # records in all logs
+        self._sweep_at = SWEEP_MIN     # sweep the logs when they hold this many
         self.num_free_blocks = 0
-        front = self._free[UNHASHED_CLASS]
         for b in blocks:
-            front[b.block_id] = b
-            self._cls[b.block_id] = UNHASHED_CLASS
+            self._front[b.block_id] = b
+            self._where[b.block_id] = _FRONT
             self.num_free_blocks += 1
+
+    def _class(self, cls: int) -> _Class:
+        c = self._classes.get(cls)
+        if c is None:
+            c = self._classes[cls] = _Class(cls)
+            self._order.append(c)
+            self._order.sort(key=lambda k: k.cls)
+        return c
 
     # -- FreeKVCacheBlockQueue interface --
 
@@ -75,29 +172,86 @@ class ClassedFreeQueue:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list:
+        # directives apply here, on the scheduler's thread, as the pool allocates
+        if not self._inbox_empty():
+            self._r.drain()
         if n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks, {self.num_free_blocks} free")
-        taken: list = []
         if n <= 0:
-            return taken
-        for cls in sorted(self._free):
-            q = self._free[cls]
-            while q and len(taken) < n:
-                _, block = q.popitem(last=False)
-                del self._cls[block.block_id]
-                taken.append(block)
-            if len(taken) == n:
-                break
+            return []
+        # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
+        if self._expiries:
+            self._r.expire(self._r.clock())
         self.num_free_blocks -= n
-        forget = self._r._forget_owner
-        for block in taken:
-            forget(block.block_id)
+        if n == 1 and not self._front:
+            # a decode step's new block
+            for c in self._order:
+                if c.live:
+                    c.live -= 1
+                    block = c.q.popleft()
+                    while c.stale and block.block_id in c.stale:
+                        self._drop_stale(c.stale, block.block_id)
+                        block = c.q.popleft()
+                    self._owner[block.block_id] = None
+                    return [block]
+        owner = self._owner
+        taken: list = []
+        if self._front:
+            n = self._pop_front(n, taken)
+        for c in self._order:
+            if not n:
+                break
+            k = c.live
+            if not k:
+                continue
+            if k > n:
+                k = n
+            c.live -= k
+            n -= k
+            popleft = c.q.popleft
+            stale = c.stale
+            while k:
+                block = popleft()
+                block_id = block.block_id
+                if stale and block_id in stale:
+                    self._drop_stale(stale, block_id)
+                    continue
+                owner[block_id] = None
+                taken.append(block)
+                k -= 1
         return taken
 
+    @staticmethod
+    def _drop_stale(stale: dict, block_id: int) -> None:
+        copies = stale.pop(block_id)
+        if copies > 1:
+            stale[block_id] = copies - 1
+
+    def _pop_front(self, n: int, taken: list) -> int:
+        front = self._front
+        owner = self._owner
+        k = len(front) if len(front) < n else n
+        for _ in range(k):
+            block_id, block = front.popitem(False)
+            owner[block_id] = None
+            taken.append(block)
+        return n - k
+
     def remove(self, block: Any) -> None:
-        cls = self._cls.pop(block.block_id)
-        del self._free[cls][block.block_id]
+        if block.ref_cnt != 0:
+            raise RuntimeError(f"remove() called on a block that is not free: {block.block_id}")
+        block_id = block.block_id
+        c = self._where[block_id]
         self.num_free_blocks -= 1
+        if c is _FRONT:
+            del self._front[block_id]
+            return
+        # c.take_out(block_id), inlined: this runs for every prefix-hit block
+        stale = c.stale
+        stale[block_id] = stale.get(block_id, 0) + 1
+        c.live -= 1
+        if len(c.q) > 2 * c.live + COMPACT_SLACK:
+            c.compact()
 
     def append(self, block: Any) -> None:
         self.append_n([block])
@@ -107,52 +261,120 @@ class ClassedFreeQueue:
             return
         r = self._r
         session = r.free_session
-        cls = NORMAL_CLASS if session is None else r.class_of(session)
-        q = self._free.get(cls)
-        if q is None:
-            q = self._free[cls] = OrderedDict()
-        for block in blocks:
-            q[block.block_id] = block
-            self._cls[block.block_id] = cls
-            if session is not None:
-                r._set_owner(block.block_id, block, session)
+        c = self._classes[NORMAL_CLASS] if session is None else self._class(r.class_of(session))
+        c.q.extend(blocks)
+        c.live += len(blocks)
         self.num_free_blocks += len(blocks)
+        where = self._where
+        if session is None:
+            for block in blocks:
+                where[block.block_id] = c
+            return
+        owner = self._owner
+        # logged even if it ends up owning nothing (a sweep drops it): cheaper than checking
+        record = _Freed(session, list(blocks))
+        for block in blocks:
+            block_id = block.block_id
+            where[block_id] = c
+            previous = owner[block_id]
+            if previous is None or previous.session != session:
+                owner[block_id] = record
+        log = self._logs.get(session)
+        if log is None:
+            self._logs[session] = [record]
+        else:
+            log.append(record)
+        self._records += 1
+        if self._records >= self._sweep_at:
+            self._sweep()
 
     def prepend_n(self, blocks: list) -> None:
         if not blocks:
             return
-        front = self._free[UNHASHED_CLASS]
+        front = self._front
+        where = self._where
         for block in reversed(blocks):
             front[block.block_id] = block
             front.move_to_end(block.block_id, last=False)
-            self._cls[block.block_id] = UNHASHED_CLASS
+            where[block.block_id] = _FRONT
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list:
-        return [b for cls in sorted(self._free) for b in self._free[cls].values()]
+        out = list(self._front.values())
+        for c in self._order:
+            out.extend(c.blocks())
+        return out
 
     def iter_blocks_after(self, block: Any | None):
         """Free blocks in hand-out order after ``block`` (from the head when None or when
         ``block`` is no longer free), as vLLM's queue offers to the simple KV offloader."""
         blocks = self.get_all_free_blocks()
         start = 0
-        if block is not None and block.block_id in self._cls:
+        if block is not None and block.ref_cnt == 0:
             for i, b in enumerate(blocks):
                 if b.block_id == block.block_id:
                     start = i + 1
                     break
         return iter(blocks[start:])
 
-    # -- retention --
+    # -- ownership and re-classing --
 
-    def reclass(self, blocks: Iterable[Any], cls: int) -> None:
-        for block in blocks:
-            old = self._cls.get(block.block_id)
-            if old is None or old == cls or block.ref_cnt != 0 or block.block_hash is None:
+    def _prune(self, log: list[_Freed]) -> list[_Freed]:
+        """The log's records that still own a block, each cut down to the blocks it owns."""
+        owner = self._owner
+        kept = []
+        for record in log:
+            mine = [b for b in record.blocks if owner[b.block_id] is record]
+            if mine:
+                record.blocks = mine
+                kept.append(record)
+        return kept
+
+    def _sweep(self) -> None:
+        records = 0
+        for session in list(self._logs):
+            kept = self._prune(self._logs[session])
+            if kept:
+                self._logs[session] = kept
+                records += len(kept)
+            else:
+                del self._logs[session]
+        self._records = records
+        self._sweep_at = max(SWEEP_MIN, 2 * records)
+
+    def owned(self, session: str) -> list:
+        """The session's blocks, in the order they became its own."""
+        log = self._logs.get(session)
+        if not log:
+            return []
+        kept = self._prune(log)
+        self._records -= len(log) - len(kept)
+        if kept:
+            self._logs[session] = kept
+        else:
+            del self._logs[session]
+        return [b for record in kept for b in record.blocks]
+
+    def reclass_session(self, session: str, cls: int) -> None:
+        """Move the session's free cached blocks to ``cls``, in the order they became its own."""
+        where = self._where
+        target = None
+        for block in self.owned(session):
+            if block.ref_cnt != 0 or block._block_hash is None:
                 continue
-            del self._free[old][block.block_id]
-            self._cls[block.block_id] = cls
-            self._free.setdefault(cls, OrderedDict())[block.block_id] = block
+            block_id = block.block_id
+            c = where[block_id]
+            if c.cls == cls:
+                continue
+            if target is None:
+                target = self._class(cls)
+            if c is _FRONT:
+                del self._front[block_id]
+            else:
+                c.take_out(block_id)
+            where[block_id] = target
+            target.q.append(block)
+            target.live += 1
 
 
 class Retention:
@@ -165,8 +387,6 @@ class Retention:
         self.queue: ClassedFreeQueue | None = None
         self.dropped = 0
         self._session_class: dict[str, tuple[int, float]] = {}
-        self._session_blocks: dict[str, dict[int, Any]] = {}
-        self._block_session: dict[int, str] = {}
         self._expiries: list[tuple[float, str]] = []
 
     # any thread
@@ -229,46 +449,25 @@ class Retention:
                 self._reclass(session_id, LOW_CLASS)
 
     def _reclass(self, session_id: str, cls: int) -> None:
-        blocks = self._session_blocks.get(session_id)
-        if blocks and self.queue is not None:
-            self.queue.reclass(list(blocks.values()), cls)
-
-    def _set_owner(self, block_id: int, block: Any, session_id: str) -> None:
-        previous = self._block_session.get(block_id)
-        if previous == session_id:
-            return
-        if previous is not None:
-            owned = self._session_blocks[previous]
-            owned.pop(block_id, None)
-            if not owned:
-                del self._session_blocks[previous]
-        self._block_session[block_id] = session_id
-        self._session_blocks.setdefault(session_id, {})[block_id] = block
-
-    def _forget_owner(self, block_id: int) -> None:
-        previous = self._block_session.pop(block_id, None)
-        if previous is not None:
-            owned = self._session_blocks[previous]
-            owned.pop(block_id, None)
-            if not owned:
-                del self._session_blocks[previous]
+        if self.queue is not None:
+            self.queue.reclass_session(session_id, cls)
 
 
 def state(pool: Any) -> Retention:
     """The pool's retention state (installed by the patched ``BlockPool.__init__``)."""
-    return pool.__dict__[_ATTR]
+    return getattr(pool, _ATTR)
 
 
 def install(pool: Any) -> Retention:
     """Give an existing pool a classed free queue (keeps its current free order)."""
-    existing = pool.__dict__.get(_ATTR)
+    existing = getattr(pool, _ATTR, None)
     if existing is not None:
         return existing
     r = Retention()
-    q = ClassedFreeQueue(r, pool.free_block_queue.get_all_free_blocks())
+    q = ClassedFreeQueue(r, pool.free_block_queue.get_all_free_blocks(), len(pool.blocks))
     r.queue = q
     pool.free_block_queue = q
-    pool.__dict__[_ATTR] = r
+    setattr(pool, _ATTR, r)
     _pools.add(pool)
     return r
 
@@ -282,18 +481,26 @@ def post(action: str, session_id: str, priority: int = NORMAL_CLASS, ttl_s: floa
                      action, session_id)
 
 
-@contextlib.contextmanager
-def freeing(pool: Any, session_id: str | None):
-    """Blocks freed inside this context belong to ``session_id``."""
-    r = pool.__dict__.get(_ATTR)
-    if r is None:
-        yield
-        return
-    previous, r.free_session = r.free_session, session_id
-    try:
-        yield
-    finally:
-        r.free_session = previous
+class freeing:
+    """Context: blocks freed inside it belong to ``session_id`` (nothing happens on a pool
+    without the plugin). A class rather than ``contextlib.contextmanager``: it runs once per
+    freed request, and a generator-based context costs several times more."""
+
+    __slots__ = ("_r", "_session", "_previous")
+
+    def __init__(self, pool: Any, session_id: str | None) -> None:
+        self._r = getattr(pool, _ATTR, None)
+        self._session = session_id
+
+    def __enter__(self) -> None:
+        r = self._r
+        if r is not None:
+            self._previous, r.free_session = r.free_session, self._session
+
+    def __exit__(self, *exc: Any) -> None:
+        r = self._r
+        if r is not None:
+            r.free_session = self._previous
 
 
 # -- patches -------------------------------------------------------------------------------------
@@ -309,20 +516,6 @@ def _wrap_init(orig):
     return __init__
 
 
-def _wrap_get_new_blocks(orig):
-    @functools.wraps(orig)
-    def get_new_blocks(self, num_blocks):
-        r = self.__dict__.get(_ATTR)
-        if r is not None:
-            if not r.inbox.empty():
-                r.drain()
-            # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
-            if r._expiries and 0 < num_blocks <= self.free_block_queue.num_free_blocks:
-                r.expire(r.clock())
-        return orig(self, num_blocks)
-    return get_new_blocks
-
-
 def _wrap_manager_free(orig):
     @functools.wraps(orig)
     def free(self, request):
@@ -333,7 +526,6 @@ def _wrap_manager_free(orig):
 
 _PATCHES = [
     (BlockPool, "__init__", _wrap_init),
-    (BlockPool, "get_new_blocks", _wrap_get_new_blocks),
     (_kcm.KVCacheManager, "free", _wrap_manager_free),
 ]
 

@@ -51,8 +51,10 @@ def generate_retention(seed: int) -> dict:
             cut = rng.randint(0, len(base))
             tokens = base[:cut] + [rng.randrange(40) for _ in range(rng.randint(1, 2 * bs))]
             tokens = tokens[: (num_blocks // 2) * bs]
+            # most requests carry a continuation id (the gateway sets one), some none
+            continuation = f"c{rid}" if rng.random() < 0.8 else None
             ops.append({"op": "arrive", "rid": f"r{rid}", "tokens": tokens,
-                        "session": rng.choice(sessions)})
+                        "session": rng.choice(sessions), "continuation": continuation})
             live.append(f"r{rid}")
             rid += 1
         elif r < 0.65:
@@ -82,7 +84,9 @@ def driver_out(tmp_path_factory) -> dict:
             pytest.fail(f"could not create .venv-vllm: {proc.stderr[-3000:]}", pytrace=False)
     tmp = tmp_path_factory.mktemp("plugin")
     inp, out = tmp / "in.json", tmp / "out.json"
-    inp.write_text(json.dumps({"retention": [generate_retention(s) for s in SEEDS]}))
+    sequences = [generate_retention(s) for s in SEEDS]
+    compacting = [{**seq, "id": f"{seq['id']}-compacting", "compacting": True} for seq in sequences]
+    inp.write_text(json.dumps({"retention": sequences + compacting}))
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHONHASHSEED")}
     env["PYTHONPATH"] = str(ROOT)
@@ -207,15 +211,20 @@ def test_old_consumer_decodes_labelled_events(driver_out):
 # -- retention: vLLM + plugin vs sim ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("compacting", [False, True], ids=["", "compacting"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_retention_matches_sim(driver_out, seed):
+def test_retention_and_removal_attribution_match_sim(driver_out, seed, compacting):
+    """Same hits, block ids, evictions (with their attribution) and free-queue order after every
+    op; ``compacting`` runs the plugin with its free-queue compaction and ownership-log sweeps
+    at their most frequent, which must not change a thing."""
     seq = generate_retention(seed)
-    [run] = [r for r in driver_out["retention"] if r["id"] == f"seed{seed}"]
+    run_id = f"seed{seed}-compacting" if compacting else f"seed{seed}"
+    [run] = [r for r in driver_out["retention"] if r["id"] == run_id]
     bs = seq["block_size"]
-    sim = SimPool(seq["num_blocks"], bs)
+    sim = SimPool(seq["num_blocks"], bs, attribute_removals=True)
     now = 0.0
     live: dict[str, tuple[str, list[int]]] = {}
-    retained = evicted_retained = 0
+    retained = attributed = 0
     for i, (op, want) in enumerate(zip(seq["ops"], run["results"], strict=True)):
         got: dict = {"status": "ok"}
         kind = op["op"]
@@ -232,7 +241,8 @@ def test_retention_matches_sim(driver_out, seed):
             else:
                 new = sim.get_new_blocks(need, now)
                 blocks = hits + new
-                sim.cache_full_blocks(blocks, hashes, len(hits), n // bs, session_id=op["session"])
+                sim.cache_full_blocks(blocks, hashes, len(hits), n // bs, session_id=op["session"],
+                                      continuation_id=op["continuation"])
                 got["new"] = new
                 live[op["rid"]] = (op["session"], blocks)
             got["hashes"] = hashes
@@ -251,10 +261,12 @@ def test_retention_matches_sim(driver_out, seed):
             sim.release(op["session"])
         elif kind == "tick":
             now += op["dt"]
-        got["removed"] = [e.block_hashes[0] for e in sim.take_events() if isinstance(e, BlockRemoved)]
+        got["removed"] = [[e.block_hashes[0], e.continuation_id, e.num_tokens]
+                          for e in sim.take_events() if isinstance(e, BlockRemoved)]
+        attributed += sum(1 for _, continuation, _ in got["removed"] if continuation is not None)
         got["free_queue"] = sim.free_queue_order()
         assert got == want, f"seed {seed} op {i} {op}"
-    assert retained > 0
+    assert retained > 0 and attributed > 0
 
 
 # -- registration and directive robustness ------------------------------------------------------

@@ -4,11 +4,11 @@ Run in the vLLM venv with the repository on ``PYTHONPATH`` (the plugin is not in
 
     PYTHONPATH=. .venv-vllm/bin/python tests/fidelity/vllm_plugin_driver.py in.json -o out.json
 
-Input ``{"retention": [{"id", "num_blocks", "block_size", "ops": [...]}, ...]}``; output
+Input ``{"retention": [{"id", "num_blocks", "block_size", "compacting"?, "ops": [...]}, ...]}``; output
 ``{"vllm_version", "scenarios": {name: result}, "retention": [{"id", "results": [...]}]}``.
 The label scenarios (V1a / V1b) are fixed and always run; see ``SCENARIOS``. Retention ops:
 
-* ``{"op": "arrive", "rid", "tokens", "session"}``: prefix lookup (at most ``(n-1)//bs`` blocks),
+* ``{"op": "arrive", "rid", "tokens", "session", "continuation"?}``: prefix lookup (at most ``(n-1)//bs`` blocks),
   ``touch``, ``get_new_blocks`` for the rest, ``cache_full_blocks`` for the full blocks. When the
   pool is short the hits are freed again (as the session) and the request is dropped.
 * ``{"op": "free", "rid"}``: ``free_blocks(reversed(blocks))`` inside ``retention.freeing``.
@@ -16,8 +16,9 @@ The label scenarios (V1a / V1b) are fixed and always run; see ``SCENARIOS``. Ret
   posted to the pool's inbox, then drained (a step boundary).
 * ``{"op": "tick", "dt"}``: advances the pool's retention clock.
 
-Each op reports ``status``, ``hits``, ``new``, ``hashes`` (arrive), ``removed`` (hashes of the
-BlockRemoved events, in order) and ``free_queue`` (block ids, next to be handed out first).
+Each op reports ``status``, ``hits``, ``new``, ``hashes`` (arrive), ``removed`` (``[hash,
+continuation_id, num_tokens]`` of the BlockRemoved events, in order) and ``free_queue`` (block
+ids, next to be handed out first).
 """
 
 from __future__ import annotations
@@ -243,6 +244,18 @@ SCENARIOS = {"v1a": sc_v1a, "v1b": sc_v1b, "move": sc_move, "reset": sc_reset,
 
 
 def run_retention(seq):
+    """One sequence; ``"compacting": true`` runs it with the free queue compacting and the
+    ownership logs sweeping as often as they can (their thresholds at the minimum)."""
+    saved = retention.COMPACT_SLACK, retention.SWEEP_MIN
+    if seq.get("compacting"):
+        retention.COMPACT_SLACK, retention.SWEEP_MIN = 0, 1
+    try:
+        return _run_retention(seq)
+    finally:
+        retention.COMPACT_SLACK, retention.SWEEP_MIN = saved
+
+
+def _run_retention(seq):
     bs = int(seq["block_size"])
     pool = BlockPool(int(seq["num_blocks"]), True, bs, enable_kv_cache_events=True)
     r = retention.state(pool)
@@ -254,7 +267,7 @@ def run_retention(seq):
         kind = op["op"]
         res = {"status": "ok"}
         if kind == "arrive":
-            req = mkreq(op["rid"], op["tokens"], bs, session=op["session"])
+            req = mkreq(op["rid"], op["tokens"], bs, session=op["session"], cid=op.get("continuation"))
             res["hashes"] = wire_hashes(req)
             hits = []
             for h in req.block_hashes[: (req.num_tokens - 1) // bs]:
@@ -293,7 +306,8 @@ def run_retention(seq):
             now[0] += float(op["dt"])
         else:
             raise ValueError(kind)
-        res["removed"] = [e.block_hashes[0] for e in pool.take_events() if isinstance(e, BlockRemoved)]
+        res["removed"] = [[e.block_hashes[0], e.continuation_id, e.num_tokens]
+                          for e in pool.take_events() if isinstance(e, BlockRemoved)]
         res["free_queue"] = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         out.append(res)
     return out
