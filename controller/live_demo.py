@@ -100,15 +100,17 @@ class _Fleet:
         setup = self.setup
         workers = []
         for i in range(setup.workers):
-            port, events = _free_port(), _free_port()
+            port, events, directives = _free_port(), _free_port(), _free_port()
             self._spawn(f"w{i}", [
                 "simworker", "--port", str(port), "--preset", setup.preset,
                 "--blocks", str(setup.blocks), "--block-size", str(setup.block_size),
                 "--kv-events", f"tcp://*:{events}", "--time-scale", str(setup.time_scale),
+                "--directives", f"tcp://*:{directives}",
                 "--name", f"w{i}",
             ])
             workers.append({"name": f"w{i}", "url": f"http://127.0.0.1:{port}",
-                            "kv_events": f"tcp://127.0.0.1:{events}"})
+                            "kv_events": f"tcp://127.0.0.1:{events}",
+                            "directives": f"tcp://127.0.0.1:{directives}"})
         gateway_port = _free_port()
         config = {
             "listen": {"host": "127.0.0.1", "port": gateway_port},

@@ -1,8 +1,10 @@
 """KV-event publishing for the simworker, as vLLM 0.32's ``ZmqEventPublisher`` does it.
 
-- PUB socket: one message per batch, frames ``[topic, seq (8 bytes big-endian), payload]``,
-  ``seq`` counting from 0, ``payload`` the msgpack ``[ts, events, data_parallel_rank]``
-  (``scheduler.kv_events.EventBatch``, rank 0 as vLLM's publisher fills it in).
+- PUB socket: one message per batch, frames ``[topic, seq (8 bytes big-endian), payload,
+  epoch]``, ``seq`` counting from 0, ``payload`` the msgpack ``[ts, events, data_parallel_rank]``
+  (``scheduler.kv_events.EventBatch``, rank 0 as vLLM's publisher fills it in), ``epoch`` 16
+  random bytes drawn at each ``open`` (the Sluice engine plugin's per-start stamp,
+  controller/vllm_plugin/epoch.py); replay answers carry no epoch, as with the plugin.
 - Replay ROUTER: a client (DEALER) sends ``[b"", start_seq (8 bytes big-endian)]``; the
   ROUTER answers ``[b"", topic, seq, payload]`` for every buffered batch with seq ≥ start,
   then the end marker ``[b"", b"", b"\\xff" * 8, b""]``. Requests of another shape are
@@ -17,6 +19,7 @@ in engine order with no thread.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -50,6 +53,7 @@ class KvEventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         self.bound_endpoint: str | None = None
         self.bound_replay_endpoint: str | None = None
+        self.epoch: bytes | None = None
         self._log = structlog.get_logger("sluice.simworker.kv_events")
 
     @property
@@ -59,6 +63,7 @@ class KvEventPublisher:
     def open(self) -> None:
         """Create and bind (or connect) the sockets; raises ``zmq.ZMQError`` naming the endpoint."""
         self._ctx = zmq.Context()
+        self.epoch = os.urandom(16)
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, self.hwm)
@@ -101,7 +106,8 @@ class KvEventPublisher:
         self._next_seq += 1
         payload = self._encoder.encode(
             EventBatch(time.time() if ts is None else ts, list(events), self.data_parallel_rank))
-        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload, self.epoch),
+                                 flags=zmq.NOBLOCK)
         self._buffer.append((seq, payload))
         return seq
 

@@ -31,7 +31,11 @@ Endpoints (vLLM 0.32 shapes):
 - A client that disconnects (stream or not) has its call aborted: out of the engine, blocks
   freed (cached ones stay cached).
 - ``GET /v1/models``, ``GET /health`` (503 once the engine loop has failed), ``GET /metrics``.
-- KV events on ZMQ (sim/kv_publisher.py), one batch per engine iteration that produced any.
+- KV events on ZMQ (sim/kv_publisher.py), one batch per engine iteration that produced any,
+  with what the Sluice engine plugin adds to vLLM's: ``continuation_id`` on stores, first
+  admitter and prefix length on removals, and a per-start epoch frame.
+- Retention directives (``directives`` endpoint, sim/directive_socket.py): the KvHint envelopes
+  the gateway sends to the plugin, applied to the engine's block pool.
 
 Not modelled: ``n`` > 1, batched completion prompts, stop sequences, logprobs, tool-call
 output (the reply is always text).
@@ -61,6 +65,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from scheduler.kv_events import BlockStored
+from sim.directive_socket import DirectiveSocket
 from sim.engine import Engine, EngineRequest
 from sim.kv_publisher import KvEventPublisher
 from sim.step_time import preset as load_preset
@@ -79,6 +84,7 @@ class SimWorkerConfig:
     block_size: int = 16
     kv_events: str | None = "tcp://*:5557"  # None: no KV events
     replay: str | None = None
+    directives: str | None = None          # ZMQ PULL for retention directives; None: none
     topic: str | None = None               # None: "kv@<name>"
     time_scale: float = 1.0
     default_max_tokens: int = 256
@@ -258,6 +264,11 @@ class _EngineCollector:
                       worker.lag_dropped_s)
         yield counter("sluice_simworker:aborted_requests",
                       "Calls aborted because their client went away.", worker.aborted)
+        if worker.directives is not None:
+            yield counter("sluice_simworker:directives_applied",
+                          "Retention directives applied to the block pool.", worker.directives.applied)
+            yield counter("sluice_simworker:directives_dropped",
+                          "Directive envelopes dropped as malformed.", worker.directives.dropped)
 
 
 class SimWorker:
@@ -273,6 +284,9 @@ class SimWorker:
             KvEventPublisher(config.kv_events, replay_endpoint=config.replay, topic=config.kv_topic,
                              buffer_steps=config.replay_buffer)
             if config.kv_events else None
+        )
+        self.directives = (
+            DirectiveSocket(config.directives, self.engine.pool, self.vnow) if config.directives else None
         )
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))
@@ -307,17 +321,26 @@ class SimWorker:
     def open(self) -> None:
         if self.publisher is not None:
             self.publisher.open()
+        if self.directives is not None:
+            try:
+                self.directives.open()
+            except Exception:
+                self.close()
+                raise
         self._t0 = time.monotonic()
         engine = self.engine
         self._log.info("simworker ready", model=self.config.model, preset=self.config.preset,
                        num_gpu_blocks=engine.pool.num_blocks, block_size=engine.block_size,
                        capacity_tokens=engine.capacity_tokens, time_scale=self.config.time_scale,
                        kv_events=self.kv_endpoint, replay=self.replay_endpoint,
+                       directives=self.directives.bound_endpoint if self.directives else None,
                        topic=self.config.kv_topic)
 
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+        if self.directives is not None:
+            self.directives.close()
 
     async def serve_replay(self) -> None:
         if self.publisher is None:
@@ -328,6 +351,16 @@ class SimWorker:
             # the worker keeps serving; consumers lose gap repair, so say so loudly
             self._log.exception("replay socket failed; replay is no longer served",
                                 replay=self.replay_endpoint)
+
+    async def serve_directives(self) -> None:
+        if self.directives is None:
+            return
+        try:
+            await self.directives.serve()
+        except Exception:
+            # the engine keeps serving, without the bias: directives are hints
+            self._log.exception("directive socket failed; directives are no longer applied",
+                                directives=self.directives.bound_endpoint)
 
     # -- engine loop -----------------------------------------------------------------
 
@@ -642,6 +675,7 @@ def create_app(config: SimWorkerConfig) -> Starlette:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(worker.run_engine)
                 tg.start_soon(worker.serve_replay)
+                tg.start_soon(worker.serve_directives)
                 yield
                 tg.cancel_scope.cancel()
         finally:

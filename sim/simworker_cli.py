@@ -53,6 +53,10 @@ def simworker(
                                        "(e.g. tcp://*:5557), else connected to, as in vLLM."),
     replay: Optional[str] = typer.Option(None, "--replay",
                                          help="ZMQ ROUTER endpoint answering replay requests."),
+    directives: Optional[str] = typer.Option(
+        None, "--directives",
+        help="ZMQ PULL endpoint for Sluice's retention directives (the worker's `directives` in "
+             "sluice.yaml), as the engine plugin's SLUICE_DIRECTIVE_ENDPOINT; e.g. tcp://*:5590."),
     time_scale: float = typer.Option(1.0, "--time-scale",
                                      help="Wall seconds per model second (0.1 runs 10x faster)."),
     topic: Optional[str] = typer.Option(None, "--topic",
@@ -74,10 +78,12 @@ def simworker(
 
     config = SimWorkerConfig(name=name, model=model, preset=preset, num_blocks=blocks,
                              block_size=block_size, kv_events=kv_events, replay=replay or None,
+                             directives=directives or None,
                              topic=topic, time_scale=time_scale)
     _configure_logging()
     typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {preset}, "
                f"KV events {kv_events} topic {config.kv_topic!r}"
-               + (f", replay {replay}" if replay else "") + f", time scale {time_scale}", err=True)
+               + (f", replay {replay}" if replay else "")
+               + (f", directives {directives}" if directives else "") + f", time scale {time_scale}", err=True)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", lifespan="on",
                 access_log=False)

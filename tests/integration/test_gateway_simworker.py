@@ -1,6 +1,7 @@
 """The gateway in front of a real simworker (sim/simworker.py): capacity learnt from its
 /metrics, a Claude Code session labelled on its KV events, streaming with the usage chunk
-the gateway asked for removed, and the real usage in the policy."""
+the gateway asked for removed, the real usage in the policy, and the policy's retention
+directives applied by the simworker's engine model."""
 
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ BLOCKS, BS = 400, 16
 @pytest.fixture(scope="module")
 def sim_fleet():
     app = create_app(SimWorkerConfig(name="sim0", num_blocks=BLOCKS, block_size=BS,
-                                     kv_events="tcp://127.0.0.1:*", time_scale=0.05))
+                                     kv_events="tcp://127.0.0.1:*", directives="tcp://127.0.0.1:*",
+                                     time_scale=0.05))
     server = ServerThread(app).start()
     try:
-        config = serve_config([{"name": "sim0", "url": server.url}], capacity_retry_s=0.05)
+        worker = app.state.worker
+        config = serve_config([{"name": "sim0", "url": server.url,
+                                "directives": worker.directives.bound_endpoint}],
+                              capacity_retry_s=0.05)
         with gateway(config) as gw:
-            yield gw, app.state.worker.kv_endpoint
+            yield gw, worker.kv_endpoint, worker
     finally:
         server.stop()
 
@@ -47,7 +52,7 @@ def _session_events(sub, session: str, timeout: float = 5.0) -> list[BlockStored
 
 
 def test_claude_code_session_is_a_program_and_labels_the_workers_kv_events(sim_fleet):
-    gw, kv_endpoint = sim_fleet
+    gw, kv_endpoint, _ = sim_fleet
     worker = wait_for(lambda: gw.workers()["sim0"]["capacity_tokens"] and gw.workers()["sim0"],
                       what="capacity from the simworker's /metrics")
     assert worker["capacity_tokens"] == BLOCKS * BS and worker["capacity_source"] == "metrics"
@@ -76,7 +81,7 @@ def test_claude_code_session_is_a_program_and_labels_the_workers_kv_events(sim_f
 
 
 def test_stream_through_a_simworker_drops_only_the_usage_chunk(sim_fleet):
-    gw, _ = sim_fleet
+    gw, _, _ = sim_fleet
     body = {"model": "sluice-sim", "max_tokens": 12, "stream": True,
             "messages": [{"role": "user", "content": "Stream me something."}]}
     with gw.client.stream("POST", "/v1/chat/completions", json=body,
@@ -91,3 +96,20 @@ def test_stream_through_a_simworker_drops_only_the_usage_chunk(sim_fleet):
     assert text
     program = gw.programs()["sim-stream"]
     assert program["in_flight"] == 0 and program["context_tokens"] > 12
+
+
+def test_the_simworker_applies_the_retain_the_gateway_sends_for_a_placed_program(sim_fleet):
+    gw, _, worker = sim_fleet
+    body = {"model": "sluice-sim", "max_tokens": 4, "messages": [
+        {"role": "system", "content": "Retained engineer. " * 20},
+        {"role": "user", "content": "Keep my cache."}]}
+    r = gw.client.post("/v1/chat/completions", json=body, headers={"x-session-id": "kept-1"})
+    assert r.status_code == 200, r.text
+    sink = gw.parts.admission.sink  # the gateway's side: a retain for the program was sent
+    wait_for(lambda: sink.sent["retain"] >= 1, what="a kv.retain sent")
+    # the engine's side: the session's cached blocks sit in the retained class (90), behind
+    # every normally cached block (50) in eviction order
+    pool = worker.engine.pool
+    wait_for(lambda: pool._class_of("kept-1") == 90, what="the simworker applied the retain")
+    kept = pool._session_blocks["kept-1"]
+    assert kept and {pool._block_class[b] for b in kept} == {90}

@@ -253,7 +253,9 @@ def test_shared_prefix_is_cached_and_block_stored_events_carry_the_session(fast,
     finally:
         sub.close()
     for frame in frames:
-        assert len(frame) == 3 and frame[0] == TOPIC and len(frame[1]) == 8
+        # vLLM's three frames, and the plugin's per-start epoch as a fourth, the same every time
+        assert len(frame) == 4 and frame[0] == TOPIC and len(frame[1]) == 8
+        assert frame[3] == fast.worker.publisher.epoch and len(frame[3]) == 16
         raw = msgspec.msgpack.decode(frame[2])  # vLLM's layout: [ts, [events...], rank]
         assert isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], float) and raw[2] == 0
         assert all(next(iter(event)) == "type" for event in raw[1])
@@ -275,6 +277,48 @@ def test_shared_prefix_is_cached_and_block_stored_events_carry_the_session(fast,
         assert len(event.token_ids) == BS * len(event.block_hashes)
         assert (event.medium, event.group_idx, event.kv_cache_spec_kind) == ("GPU", 0, "full_attention")
         assert event.extra_keys == [None] * len(event.block_hashes)
+
+
+def _push(zctx: zmq.Context, endpoint: str, message: bytes) -> None:
+    push = zctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(endpoint)
+    push.send(message)
+    push.close()
+
+
+def _envelope(kind: str, session: str, **payload) -> bytes:
+    return json.dumps({"protocol_version": 1, "message_id": f"m-{kind}-{session}",
+                       "actions": [{"action_id": "a0", "action_type": kind, "action_version": 1,
+                                    "payload": {"session_id": session, **payload}}]}).encode()
+
+
+def test_retention_directives_reorder_which_cached_blocks_the_engine_evicts_first():
+    with serve(directives="tcp://127.0.0.1:*") as w, zmq.Context() as zctx:
+        directives = w.worker.directives
+        chat(w.url, user("Keep me.", "Keeper. " + SYSTEM), headers={"X-Session-ID": "keeper"}, max_tokens=4)
+        chat(w.url, user("Drop me.", "Other. " + SYSTEM), headers={"X-Session-ID": "other"}, max_tokens=4)
+        pool = w.worker.engine.pool
+        keeper = set(pool._session_blocks["keeper"])
+        other = set(pool._session_blocks["other"])
+        order = pool.free_queue_order()
+        # plain LRU: the keeper's blocks, freed first, would be evicted before the other's
+        assert max(order.index(b) for b in keeper) < min(order.index(b) for b in other)
+
+        _push(zctx, directives.bound_endpoint, _envelope("kv.retain", "keeper", priority=90, ttl_s=60))
+        wait_for(lambda: directives.applied == 1)
+        order = pool.free_queue_order()
+        assert min(order.index(b) for b in keeper) > max(order.index(b) for b in other)
+
+        _push(zctx, directives.bound_endpoint, b"{not json")
+        _push(zctx, directives.bound_endpoint, _envelope("kv.demote", "keeper"))
+        wait_for(lambda: directives.applied == 2)
+        assert directives.dropped == 1 and directives.received == 3
+        order = pool.free_queue_order()
+        assert max(order.index(b) for b in keeper) < min(order.index(b) for b in other)
+        text = metrics(w.url)
+        assert metric(text, "sluice_simworker:directives_applied_total") == 2
+        assert metric(text, "sluice_simworker:directives_dropped_total") == 1
 
 
 def test_an_assistant_reply_sent_back_verbatim_hits_through_the_reply(fast):

@@ -1,0 +1,93 @@
+"""The simworker's directive socket: what the Sluice engine plugin does inside vLLM
+(``controller/vllm_plugin/directives.py``), on the simulated engine.
+
+A ZMQ PULL socket (bound if the endpoint holds ``*`` or ``::`` or is ``ipc://`` /
+``inproc://``, else connected, like the KV-event sockets) receives KvHint envelopes from the
+gateway's directive sender and applies ``kv.retain`` / ``kv.demote`` / ``kv.release`` to the
+engine's block pool, whose retention classes are the plugin's (the fidelity test keeps them
+equal). Envelopes are parsed by the plugin's own :func:`parse_envelope`, so both engines accept
+and reject exactly the same input. Directives run on the event loop between engine
+iterations, as the plugin applies them between scheduler steps; a TTL counts in virtual time
+from arrival. A malformed envelope is dropped, counted and logged; nothing here stops the
+worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from controller.vllm_plugin.directives import parse_envelope
+from sim.block_pool import BlockPool
+
+
+def _should_bind(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class DirectiveSocket:
+    def __init__(self, endpoint: str, pool: BlockPool, clock: Callable[[], float]) -> None:
+        self.endpoint = endpoint
+        self.bound_endpoint: str | None = None
+        self._pool = pool
+        self._clock = clock
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self.received = 0
+        self.applied = 0
+        self.dropped = 0
+        self._log = structlog.get_logger("sluice.simworker.directives")
+
+    def open(self) -> None:
+        """Create and bind (or connect) the socket; raises ``zmq.ZMQError`` naming the endpoint."""
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            if _should_bind(self.endpoint):
+                self._socket.bind(self.endpoint)
+                self.bound_endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._socket.connect(self.endpoint)
+                self.bound_endpoint = self.endpoint
+        except zmq.ZMQError as err:
+            self.close()
+            raise zmq.ZMQError(err.errno, f"{self.endpoint}: {err.strerror}") from None
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def handle(self, message: bytes) -> None:
+        """Apply one envelope's actions to the pool, or drop it whole if it is malformed."""
+        self.received += 1
+        try:
+            actions = parse_envelope(message)
+        except ValueError as err:  # json and msgspec decode errors are ValueErrors too
+            self.dropped += 1
+            self._log.warning("malformed directive envelope dropped", problem=str(err),
+                              dropped=self.dropped)
+            return
+        pool, now = self._pool, self._clock()
+        for kind, session_id, priority, ttl_s in actions:
+            if kind == "retain":
+                pool.retain(session_id, priority, ttl_s, now)
+            elif kind == "demote":
+                pool.demote(session_id)
+            else:
+                pool.release(session_id)
+            self.applied += 1
+
+    async def serve(self) -> None:
+        """Receive and apply envelopes until cancelled."""
+        if self._socket is None:
+            raise RuntimeError("serve() before open()")
+        while True:
+            self.handle(await self._socket.recv())
