@@ -209,7 +209,16 @@ def _wrap_cache_full(orig):
         if not self.enable_kv_cache_events:
             return orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                         kv_cache_group_id, block_mask)
-        cid = self._sluice_cid = continuation_of(request)
+        if num_cached_blocks >= num_full_blocks:
+            return None          # vLLM caches nothing (most calls of an engine step)
+        # continuation_of(request), inlined (a call less): this runs for every block a decode
+        # fills; anything but a plain non-empty str goes the long way
+        params = request.sampling_params
+        extra = params.extra_args if params is not None else None
+        cid = extra.get("continuation_id") if extra else None
+        if cid is not None and (type(cid) is not str or not cid):
+            cid = continuation_of(request)
+        self._sluice_cid = cid
         self._sluice_request = request
         cache = self.cached_block_hash_to_block._cache
         before = len(cache)

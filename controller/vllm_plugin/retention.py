@@ -39,11 +39,12 @@ import logging
 import queue
 import time
 import weakref
-from collections import OrderedDict, deque
-from typing import Any, Callable, Iterable
+from collections import deque
+from typing import Any, Callable
 
 from vllm.v1.core import block_pool as _bp
 from vllm.v1.core import kv_cache_manager as _kcm
+from vllm.v1.core import kv_cache_utils as _kcu
 
 logger = logging.getLogger("sluice.vllm_plugin.retention")
 
@@ -111,24 +112,38 @@ class _Class:
         return out
 
 
-_FRONT = _Class(UNHASHED_CLASS)     # marks a free block without a hash in ``_where``
+# vLLM's own free queue methods, called on a ClassedFreeQueue (a subclass) for the blocks that
+# live in its linked list; bound here once so the hot paths skip a super() lookup.
+_FreeQueue = _kcu.FreeKVCacheBlockQueue
+_vllm_popleft_n = _FreeQueue.popleft_n
+_vllm_remove = _FreeQueue.remove
+_vllm_append_n = _FreeQueue.append_n
+_vllm_prepend_n = _FreeQueue.prepend_n
+_vllm_all_free = _FreeQueue.get_all_free_blocks
 
 
-class ClassedFreeQueue:
+class ClassedFreeQueue(_FreeQueue):
     """Drop-in for vLLM's ``FreeKVCacheBlockQueue`` with eviction classes.
 
-    Every allocation and free of the engine goes through here, so the structures are chosen for
-    the per-block cost, which must stay close to vLLM's own linked list:
+    Every allocation and free of the engine goes through here, so the common case must cost
+    close to nothing over vLLM's own queue. It *is* vLLM's queue (a subclass): vLLM's linked list
+    holds the free blocks without a hash (at its head, as vLLM prepends them) and class 50
+    (normal, the rest of the list, LRU), which with no directives is every free block; vLLM's
+    methods run on it unchanged. Only the other classes live on the side:
 
-    * Blocks without a hash sit in an ``OrderedDict`` (vLLM prepends them). Each hashed class is
-      a :class:`_Class` around a ``deque`` whose entries may be *stale*: a block taken out of the
-      middle (a prefix hit's ``touch``, a directive's re-class) stays in place, counted in the
-      class's ``stale``, and is skipped when it reaches the head. A block's stale entries always
-      precede its live one (blocks only ever join a hashed class at the tail), so counting is
-      enough. A class is compacted when its stale entries outnumber the live ones.
-    * Per-block state lives in lists indexed by block id: ``_where`` (the class a block joined
-      when it was last freed: only meaningful while it is free, which for vLLM is exactly while
-      its ``ref_cnt`` is 0, so nothing clears it) and ``_owner``.
+    * A side class is a :class:`_Class` around a ``deque`` whose entries may be *stale*: a block
+      taken out of the middle (a prefix hit's ``touch``, a directive's re-class) stays in place,
+      counted in the class's ``stale``, and is skipped when it reaches the head. A block's stale
+      entries always precede its live one (blocks only ever join a class at the tail), so
+      counting is enough. A class is compacted when its stale entries outnumber the live ones.
+    * A free block is in the linked list exactly when its ``prev_free_block`` is set (vLLM clears
+      it on every block it unlinks; side blocks never get one); ``_where[block_id]`` is the side
+      class a block last joined (only meaningful while it is free and not in the list).
+    * ``_front`` holds the ids of the list's class -1 blocks: the pool's initial free blocks and
+      those vLLM frees without a hash (``prepend_n``). Blocks join the list only at its head
+      (``prepend_n``) or its tail (``append_n``), so these are always its first ``len(_front)``
+      blocks. Hand-out order is: those, side classes below 50, the rest of the list, side
+      classes above 50.
     * Ownership (DESIGN.md §5, ``sim/block_pool.py``): a cached block belongs to the session
       whose free last brought it to ref count 0, is forgotten when the block is handed out
       again, and a directive re-classes a session's free blocks in the order they became its
@@ -137,28 +152,31 @@ class ClassedFreeQueue:
       record the block became the session's own in; a log entry whose owner entry points
       elsewhere is dead. Only directives read the logs (and prune them); the logs are swept of
       dead records as they grow.
+
+    ``num_free_blocks`` counts every free block; vLLM's methods keep it for the list's share and
+    the side classes for theirs (``_side_live``).
     """
 
-    def __init__(self, retention: "Retention", blocks: Iterable[Any], num_blocks: int) -> None:
+    def __init__(self, retention: "Retention", blocks: list, num_blocks: int) -> None:
+        # vLLM's list of the pool's free blocks, all treated as unhashed: first out, in order
+        super().__init__(blocks)
         self._r = retention
         self._inbox_empty = retention.inbox.empty
         self._expiries = retention._expiries          # the same list, only ever mutated
-        self._front: OrderedDict = OrderedDict()
-        normal = _Class(NORMAL_CLASS)
-        self._classes: dict[int, _Class] = {NORMAL_CLASS: normal}
-        self._order: list[_Class] = [normal]          # hashed classes, evicted-first first
+        self._session_class = retention._session_class  # the same dict, only ever mutated
+        self._front: set[int] = {b.block_id for b in blocks}
+        self._classes: dict[int, _Class] = {}
+        self._normal = _Class(NORMAL_CLASS)           # stands for the list in ``_order``
+        self._order: list[_Class] = [self._normal]    # evicted-first first
+        self._side_live = 0                           # free blocks in side classes
         self._where: list[_Class | None] = [None] * num_blocks
         self._owner: list[_Freed | None] = [None] * num_blocks
         self._logs: dict[str, list[_Freed]] = {}
         self._records = 0              # records in all logs
         self._sweep_at = SWEEP_MIN     # sweep the logs when they hold this many
-        self.num_free_blocks = 0
-        for b in blocks:
-            self._front[b.block_id] = b
-            self._where[b.block_id] = _FRONT
-            self.num_free_blocks += 1
 
     def _class(self, cls: int) -> _Class:
+        """The side class ``cls`` (not NORMAL_CLASS, which is the list)."""
         c = self._classes.get(cls)
         if c is None:
             c = self._classes[cls] = _Class(cls)
@@ -179,46 +197,62 @@ class ClassedFreeQueue:
             raise ValueError(f"cannot pop {n} blocks, {self.num_free_blocks} free")
         if n <= 0:
             return []
+        if self._side_live or self._expiries:
+            return self._popleft_classed(n)
+        # no side class in play: vLLM's own order
+        taken = _vllm_popleft_n(self, n)
+        front = self._front
+        if front:
+            for block in taken[:len(front)]:
+                front.discard(block.block_id)
+        if self._logs:
+            owner = self._owner
+            for block in taken:
+                owner[block.block_id] = None
+        return taken
+
+    def _popleft_classed(self, n: int) -> list:
         # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
         if self._expiries:
             self._r.expire(self._r.clock())
-        self.num_free_blocks -= n
-        if n == 1 and not self._front:
-            # a decode step's new block
-            for c in self._order:
-                if c.live:
-                    c.live -= 1
-                    block = c.q.popleft()
-                    while c.stale and block.block_id in c.stale:
-                        self._drop_stale(c.stale, block.block_id)
-                        block = c.q.popleft()
-                    self._owner[block.block_id] = None
-                    return [block]
-        owner = self._owner
+        front = self._front
         taken: list = []
-        if self._front:
-            n = self._pop_front(n, taken)
+        if front:
+            k = min(n, len(front))
+            for block in _vllm_popleft_n(self, k):
+                front.discard(block.block_id)
+                taken.append(block)
+            n -= k
         for c in self._order:
             if not n:
                 break
+            if c is self._normal:
+                k = min(n, self.num_free_blocks - self._side_live)
+                if k:
+                    taken += _vllm_popleft_n(self, k)
+                    n -= k
+                continue
             k = c.live
             if not k:
                 continue
             if k > n:
                 k = n
             c.live -= k
+            self._side_live -= k
+            self.num_free_blocks -= k
             n -= k
             popleft = c.q.popleft
             stale = c.stale
             while k:
                 block = popleft()
-                block_id = block.block_id
-                if stale and block_id in stale:
-                    self._drop_stale(stale, block_id)
+                if stale and block.block_id in stale:
+                    self._drop_stale(stale, block.block_id)
                     continue
-                owner[block_id] = None
                 taken.append(block)
                 k -= 1
+        owner = self._owner
+        for block in taken:
+            owner[block.block_id] = None
         return taken
 
     @staticmethod
@@ -227,31 +261,20 @@ class ClassedFreeQueue:
         if copies > 1:
             stale[block_id] = copies - 1
 
-    def _pop_front(self, n: int, taken: list) -> int:
-        front = self._front
-        owner = self._owner
-        k = len(front) if len(front) < n else n
-        for _ in range(k):
-            block_id, block = front.popitem(False)
-            owner[block_id] = None
-            taken.append(block)
-        return n - k
-
     def remove(self, block: Any) -> None:
+        if block.prev_free_block is not None:       # in vLLM's list
+            if self._front:
+                self._front.discard(block.block_id)
+            _vllm_remove(self, block)
+            return
         if block.ref_cnt != 0:
             raise RuntimeError(f"remove() called on a block that is not free: {block.block_id}")
-        block_id = block.block_id
-        c = self._where[block_id]
+        self._take_out(block.block_id)
+
+    def _take_out(self, block_id: int) -> None:
+        self._where[block_id].take_out(block_id)
+        self._side_live -= 1
         self.num_free_blocks -= 1
-        if c is _FRONT:
-            del self._front[block_id]
-            return
-        # c.take_out(block_id), inlined: this runs for every prefix-hit block
-        stale = c.stale
-        stale[block_id] = stale.get(block_id, 0) + 1
-        c.live -= 1
-        if len(c.q) > 2 * c.live + COMPACT_SLACK:
-            c.compact()
 
     def append(self, block: Any) -> None:
         self.append_n([block])
@@ -259,23 +282,27 @@ class ClassedFreeQueue:
     def append_n(self, blocks: list) -> None:
         if not blocks:
             return
-        r = self._r
-        session = r.free_session
-        c = self._classes[NORMAL_CLASS] if session is None else self._class(r.class_of(session))
-        c.q.extend(blocks)
-        c.live += len(blocks)
-        self.num_free_blocks += len(blocks)
-        where = self._where
+        session = self._r.free_session
         if session is None:
+            _vllm_append_n(self, blocks)
+            return
+        entry = self._session_class.get(session) if self._session_class else None
+        if entry is None or entry[0] == NORMAL_CLASS:
+            _vllm_append_n(self, blocks)
+        else:
+            c = self._class(entry[0])
+            c.q.extend(blocks)
+            c.live += len(blocks)
+            self._side_live += len(blocks)
+            self.num_free_blocks += len(blocks)
+            where = self._where
             for block in blocks:
                 where[block.block_id] = c
-            return
         owner = self._owner
         # logged even if it ends up owning nothing (a sweep drops it): cheaper than checking
         record = _Freed(session, list(blocks))
         for block in blocks:
             block_id = block.block_id
-            where[block_id] = c
             previous = owner[block_id]
             if previous is None or previous.session != session:
                 owner[block_id] = record
@@ -292,17 +319,15 @@ class ClassedFreeQueue:
         if not blocks:
             return
         front = self._front
-        where = self._where
-        for block in reversed(blocks):
-            front[block.block_id] = block
-            front.move_to_end(block.block_id, last=False)
-            where[block.block_id] = _FRONT
-        self.num_free_blocks += len(blocks)
+        for block in blocks:
+            front.add(block.block_id)
+        _vllm_prepend_n(self, blocks)
 
     def get_all_free_blocks(self) -> list:
-        out = list(self._front.values())
+        listed = _vllm_all_free(self)
+        out = listed[:len(self._front)]
         for c in self._order:
-            out.extend(c.blocks())
+            out.extend(listed[len(self._front):] if c is self._normal else c.blocks())
         return out
 
     def iter_blocks_after(self, block: Any | None):
@@ -358,23 +383,31 @@ class ClassedFreeQueue:
     def reclass_session(self, session: str, cls: int) -> None:
         """Move the session's free cached blocks to ``cls``, in the order they became its own."""
         where = self._where
-        target = None
+        front = self._front
+        target = None if cls == NORMAL_CLASS else self._class(cls)
+        to_list = []            # for NORMAL_CLASS: appended to the list's tail together
         for block in self.owned(session):
             if block.ref_cnt != 0 or block._block_hash is None:
                 continue
             block_id = block.block_id
-            c = where[block_id]
-            if c.cls == cls:
-                continue
-            if target is None:
-                target = self._class(cls)
-            if c is _FRONT:
-                del self._front[block_id]
+            if block.prev_free_block is not None:     # in the list: unhashed or normal
+                if block_id not in front and target is None:
+                    continue
+                front.discard(block_id)
+                _vllm_remove(self, block)
             else:
-                c.take_out(block_id)
-            where[block_id] = target
-            target.q.append(block)
-            target.live += 1
+                if where[block_id] is target:
+                    continue
+                self._take_out(block_id)
+            if target is None:
+                to_list.append(block)
+            else:
+                where[block_id] = target
+                target.q.append(block)
+                target.live += 1
+                self._side_live += 1
+                self.num_free_blocks += 1
+        _vllm_append_n(self, to_list)
 
 
 class Retention:
