@@ -11,7 +11,6 @@ evictions and the free-queue order after every op.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 from pathlib import Path
@@ -22,9 +21,8 @@ import pytest
 from scheduler.kv_events import BlockRemoved, BlockStored, EventBatchDecoder
 from sim.block_pool import BlockPool as SimPool
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-SETUP_SCRIPT = ROOT / "scripts" / "setup_vllm_venv.sh"
+from vllm_venv import ROOT, run_check, vllm_env, vllm_python
+
 DRIVER = Path(__file__).resolve().parent / "vllm_plugin_driver.py"
 SEEDS = list(range(20))
 OPS = 150
@@ -78,21 +76,15 @@ def generate_retention(seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def driver_out(tmp_path_factory) -> dict:
-    if not VLLM_PY.exists():
-        proc = subprocess.run(["bash", str(SETUP_SCRIPT)], cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0 or not VLLM_PY.exists():
-            pytest.fail(f"could not create .venv-vllm: {proc.stderr[-3000:]}", pytrace=False)
+    python = vllm_python()
     tmp = tmp_path_factory.mktemp("plugin")
     inp, out = tmp / "in.json", tmp / "out.json"
     sequences = [generate_retention(s) for s in SEEDS]
     compacting = [{**seq, "id": f"{seq['id']}-compacting", "compacting": True} for seq in sequences]
     inp.write_text(json.dumps({"retention": sequences + compacting}))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHONHASHSEED")}
-    env["PYTHONPATH"] = str(ROOT)
-    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
-    proc = subprocess.run([str(VLLM_PY), str(DRIVER), str(inp), "-o", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([str(python), str(DRIVER), str(inp), "-o", str(out)], cwd=ROOT,
+                          env=vllm_env(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1"),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["vllm_version"].startswith("0.32.")
@@ -313,15 +305,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_register_gating_and_malformed_directives(driver_out):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHONHASHSEED")}
-    env["PYTHONPATH"] = str(ROOT)
-    env["VLLM_LOGGING_LEVEL"] = "ERROR"
-    proc = subprocess.run([str(VLLM_PY), "-c", _REGISTER_CHECK], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    out = json.loads(line[len("RESULT"):])
+    out = run_check(_REGISTER_CHECK)
     assert out == {"main_process": False, "other_version": False, "log_lines": 1,
                    "engine_core": True, "applied": 1, "dropped": 2, "alloc": [1, 2, 3]}
 
@@ -367,18 +351,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_directive_socket(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHONHASHSEED")}
-    env["PYTHONPATH"] = str(ROOT)
-    env["VLLM_LOGGING_LEVEL"] = "ERROR"
-    sock = tmp_path / "d.sock"
-    if not VLLM_PY.exists():
-        pytest.fail(".venv-vllm missing (scripts/setup_vllm_venv.sh)", pytrace=False)
-    proc = subprocess.run([str(VLLM_PY), "-c", _DIRECTIVE_CHECK, str(sock)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    out = json.loads(line[len("RESULT"):])
+    out = run_check(_DIRECTIVE_CHECK, str(tmp_path / "d.sock"))
     assert out == {"received": 7, "applied": 3, "dropped": 5,
                    "classes": {"s1": 90, "s2": 0, "s3": 50},
                    "offset_tcp": "tcp://*:5592", "offset_ipc": "inproc://d_dp1",

@@ -5,7 +5,6 @@ frames unchanged (Sluice's decoder reads the payload as before)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -14,21 +13,14 @@ import pytest
 from controller.subscriber import publisher_epoch
 from scheduler.kv_events import AllBlocksCleared, EventBatchDecoder
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-SETUP_SCRIPT = ROOT / "scripts" / "setup_vllm_venv.sh"
+from vllm_venv import ROOT, vllm_env, vllm_python
+
 DRIVER = Path(__file__).resolve().parent / "epoch_driver.py"
 
 
 @pytest.fixture(scope="module")
 def published() -> list[dict]:
-    if not VLLM_PY.exists():
-        proc = subprocess.run(["bash", str(SETUP_SCRIPT)], cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0 or not VLLM_PY.exists():
-            pytest.fail(f"could not create .venv-vllm: {proc.stderr[-3000:]}", pytrace=False)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([str(VLLM_PY), str(DRIVER), "on", "on", "off"], cwd=ROOT, env=env,
+    proc = subprocess.run([str(vllm_python()), str(DRIVER), "on", "on", "off"], cwd=ROOT, env=vllm_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = json.loads(proc.stdout.strip().splitlines()[-1])

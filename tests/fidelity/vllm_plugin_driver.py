@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import msgspec  # noqa: E402
 import vllm  # noqa: E402
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, KVEventBatch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core import kv_cache_utils as kcu  # noqa: E402
@@ -74,16 +74,22 @@ def take(pool):
     return [ev_json(e) for e in pool.take_events()]
 
 
+def prefix_hits(pool, req, bs):
+    """The request's cached prefix (at most ``(n-1)//bs`` blocks), touched, as KVCacheManager
+    looks it up."""
+    hits = []
+    for h in req.block_hashes[: (req.num_tokens - 1) // bs]:
+        got = pool.get_cached_block(h, [0])
+        if got is None:
+            break
+        hits.append(got[0])
+    pool.touch(hits)
+    return hits
+
+
 def admit(pool, req, bs, lookup=True):
     """Lookup + touch + allocate + cache, as KVCacheManager does. Returns the blocks."""
-    hits = []
-    if lookup:
-        for h in req.block_hashes[: (req.num_tokens - 1) // bs]:
-            got = pool.get_cached_block(h, [0])
-            if got is None:
-                break
-            hits.append(got[0])
-        pool.touch(hits)
+    hits = prefix_hits(pool, req, bs) if lookup else []
     need = -(-req.num_tokens // bs) - len(hits)
     blocks = hits + pool.get_new_blocks(need)
     pool.cache_full_blocks(req, blocks, len(hits), req.num_tokens // bs, bs, 0)
@@ -269,13 +275,7 @@ def _run_retention(seq):
         if kind == "arrive":
             req = mkreq(op["rid"], op["tokens"], bs, session=op["session"], cid=op.get("continuation"))
             res["hashes"] = wire_hashes(req)
-            hits = []
-            for h in req.block_hashes[: (req.num_tokens - 1) // bs]:
-                got = pool.get_cached_block(h, [0])
-                if got is None:
-                    break
-                hits.append(got[0])
-            pool.touch(hits)
+            hits = prefix_hits(pool, req, bs)
             need = -(-req.num_tokens // bs) - len(hits)
             res["hits"] = [b.block_id for b in hits]
             try:

@@ -22,20 +22,10 @@ from scheduler.coordinates import (
     validate_session_id,
 )
 
+from chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
+
 HEX32 = re.compile(r"[0-9a-f]{32}")
 
-SYSTEM = {"role": "system", "content": "You are a careful software engineer."}
-USER = {"role": "user", "content": "Fix the failing test in utils.py"}
-ASSISTANT = {
-    "role": "assistant",
-    "content": None,
-    "tool_calls": [{"id": "t1", "type": "function",
-                    "function": {"name": "bash", "arguments": "{\"cmd\": \"pytest\"}"}}],
-}
-TOOL = {"role": "tool", "tool_call_id": "t1", "content": "1 failed"}
-TOOLS = [{"type": "function",
-          "function": {"name": "bash", "parameters": {"type": "object",
-                                                      "properties": {"cmd": {"type": "string"}}}}}]
 
 # -- session ids ---------------------------------------------------------------------------
 

@@ -26,24 +26,14 @@ from controller.identity import (
 )
 from scheduler.coordinates import SessionId, canonical, mint_chain
 
+from chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 CONTENT_ID = re.compile(r"c-[0-9a-f]{32}")
 
-SYSTEM = {"role": "system", "content": "You are a careful software engineer."}
-USER = {"role": "user", "content": "Fix the failing test in utils.py"}
-ASSISTANT = {
-    "role": "assistant",
-    "content": None,
-    "tool_calls": [{"id": "t1", "type": "function",
-                    "function": {"name": "bash", "arguments": "{\"cmd\": \"pytest\"}"}}],
-}
-TOOL = {"role": "tool", "tool_call_id": "t1", "content": "1 failed"}
-TOOLS = [{"type": "function",
-          "function": {"name": "bash", "parameters": {"type": "object",
-                                                      "properties": {"cmd": {"type": "string"}}}}}]
 
 
 def chat_body(*messages, **extra):
