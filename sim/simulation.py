@@ -38,6 +38,11 @@ class ProgramFeed:
     def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
         return []
 
+    def batch_makespans_s(self) -> list[float]:
+        """Seconds from each finished batch's start to its last program's end (feeds
+        with a batch barrier; none for the others)."""
+        return []
+
 
 class ClosedLoop(ProgramFeed):
     """Keep ``concurrency`` programs alive: a new one starts as soon as one ends. The first
@@ -83,11 +88,14 @@ class Batches(ProgramFeed):
         self._make_batch = make_batch
         self._batch = 0
         self._left = 0
+        self._started_at = 0.0
+        self._makespans_s: list[float] = []
 
     def _start_batch(self, now: float) -> list[ProgramSpec]:
         programs = self._make_batch(self._batch)
         self._batch += 1
         self._left = len(programs)
+        self._started_at = now
         for spec in programs:
             spec.start_at = now
         return programs
@@ -97,7 +105,13 @@ class Batches(ProgramFeed):
 
     def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
         self._left -= 1
-        return self._start_batch(now) if self._left == 0 else []
+        if self._left:
+            return []
+        self._makespans_s.append(now - self._started_at)
+        return self._start_batch(now)
+
+    def batch_makespans_s(self) -> list[float]:
+        return list(self._makespans_s)
 
 
 @dataclass(slots=True)
@@ -135,6 +149,8 @@ class SimResult:
     marks: int
     forced_resumes: int
     utilization: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # RL rollouts: each finished batch's makespan (empty for other feeds)
+    batch_makespans_s: list[float] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -153,8 +169,22 @@ class SimResult:
             return float("nan")
         return float(np.quantile(np.asarray(self.call_latencies_s), q))
 
+    def makespan_quantile(self, q: float) -> float:
+        if not self.batch_makespans_s:
+            return float("nan")
+        return float(np.quantile(np.asarray(self.batch_makespans_s), q))
+
     def summary(self) -> dict[str, float | int | str]:
-        """The row of the report schema (``sluice sim --json``)."""
+        """The row of the report schema (``sluice sim --json``); batch makespans only for
+        feeds with batches (RL rollouts)."""
+        row = self._summary()
+        if self.batch_makespans_s:
+            row["batches"] = len(self.batch_makespans_s)
+            row["p50_makespan_s"] = round(self.makespan_quantile(0.5), 2)
+            row["p99_makespan_s"] = round(self.makespan_quantile(0.99), 2)
+        return row
+
+    def _summary(self) -> dict[str, float | int | str]:
         return {
             "policy": self.policy,
             "output_tokens_per_s": round(self.output_tokens_per_s, 2),
@@ -415,4 +445,5 @@ class Simulation:
             marks=policy_stats.marks,
             forced_resumes=policy_stats.forced_resumes,
             utilization=self._utilization,
+            batch_makespans_s=self.feed.batch_makespans_s(),
         )
