@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from scheduler.config import POLICY_NAMES, ConfigError
-from sim.report import format_table, write_json
+from sim.report import format_table, with_ceiling_ratio, write_json
 from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, trace_span_s, workload_feed
 from sim.step_time import presets
 
@@ -63,6 +63,9 @@ def sim(
                                    help="KV block size in tokens."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
                                              dir_okay=False, metavar="PATH"),
+    ceiling: bool = typer.Option(True, "--ceiling/--no-ceiling",
+                                 help="Add a `ceiling` row (the same programs with unlimited KV) "
+                                      "and each policy's share of it (`of ceiling`)."),
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
@@ -72,12 +75,13 @@ def sim(
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
         preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
+        ceiling=ceiling,
     )
-    typer.echo(format_table([r.summary() for r in results]))
+    typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": _command_line(), "workload": workload, "concurrency": concurrency,
                   "workers": workers, "preset": preset, "duration_s": duration, "seed": seed,
-                  "block_size": block_size, "policies": names}
+                  "block_size": block_size, "policies": names, "ceiling": ceiling}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
@@ -174,7 +178,7 @@ def sweep(
         spec = spec.model_copy(update={"jobs": jobs})
     out = run_sweep(spec, policy_config, _command_line())
     typer.echo((out / "results.md").read_text())
-    typer.echo(f"wrote {out}/results.md, results.json, throughput.png, hit_rate.png")
+    typer.echo(f"wrote {out}/results.md, results.json, throughput.png, hit_rate.png, p99_latency.png")
 
 
 def list_presets() -> None:

@@ -23,6 +23,34 @@ COLUMNS = (
     ("pauses", "pauses", "{}"),
     ("resumes", "resumes", "{}"),
 )
+# Shown only when some row has them: the share of the ceiling row's throughput, and the
+# batch makespans of RL rollouts.
+OPTIONAL_COLUMNS = (
+    ("of_ceiling", "of ceiling", "{:.2f}"),
+    ("p50_makespan_s", "p50 makespan s", "{:.1f}"),
+    ("p99_makespan_s", "p99 makespan s", "{:.1f}"),
+)
+CEILING_ROW = "ceiling"
+
+
+def with_ceiling_ratio(rows: Sequence[dict[str, Any]], group: str | None = None) -> list[dict[str, Any]]:
+    """Rows with ``of_ceiling`` (output tokens/s over the ceiling row's) added to each row
+    that has a ceiling row beside it — the one with ``policy == "ceiling"`` and, with
+    ``group``, the same value of that key (the sweep's concurrency)."""
+    ceilings = {row.get(group) if group else None: row["output_tokens_per_s"]
+                for row in rows if row["policy"] == CEILING_ROW}
+    out = []
+    for row in rows:
+        top = ceilings.get(row.get(group) if group else None)
+        if top:
+            row = {**row, "of_ceiling": round(row["output_tokens_per_s"] / top, 4)}
+        out.append(row)
+    return out
+
+
+def _columns(rows: Sequence[dict[str, Any]], extra: Sequence[str]) -> list[tuple[str, str, str]]:
+    optional = [column for column in OPTIONAL_COLUMNS if any(column[0] in row for row in rows)]
+    return [(key, key, "{}") for key in extra] + list(COLUMNS) + optional
 
 
 def _cell(fmt: str, value: Any) -> str:
@@ -33,10 +61,10 @@ def _cell(fmt: str, value: Any) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> str:
     """A fixed-width text table of report rows (``SimResult.summary()`` dicts)."""
-    columns = [(key, key, "{}") for key in extra] + list(COLUMNS)
+    columns = _columns(rows, extra)
     cells = [[title for _, title, _ in columns]]
     for row in rows:
-        cells.append([_cell(fmt, row[key]) for key, _, fmt in columns])
+        cells.append([_cell(fmt, row.get(key, math.nan)) for key, _, fmt in columns])
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = []
     for n, line in enumerate(cells):
@@ -50,17 +78,17 @@ def format_table(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> s
 
 
 def format_markdown(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> str:
-    columns = [(key, key, "{}") for key in extra] + list(COLUMNS)
+    columns = _columns(rows, extra)
     out = ["| " + " | ".join(title for _, title, _ in columns) + " |",
            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
     for row in rows:
-        out.append("| " + " | ".join(_cell(fmt, row[key]) for key, _, fmt in columns) + " |")
+        out.append("| " + " | ".join(_cell(fmt, row.get(key, math.nan)) for key, _, fmt in columns) + " |")
     return "\n".join(out)
 
 
 def write_json(path: Path, results: Sequence[SimResult], config: dict[str, Any],
                extra_rows: Sequence[dict[str, Any]] | None = None) -> None:
-    rows = list(extra_rows) if extra_rows is not None else [r.summary() for r in results]
+    rows = list(extra_rows) if extra_rows is not None else with_ceiling_ratio([r.summary() for r in results])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
 

@@ -25,6 +25,15 @@ DEFAULT_BLOCK_SIZE = 64
 
 WORKLOADS = ("swebench", "rl_rollout")
 
+# The ceiling row: the same programs on the same fleet with a KV pool this many times the
+# preset's, placed by least_loaded. The pool never fills on the committed runs (its only
+# re-prefill is the partial last block of each previous sequence, which vLLM does not
+# cache either), so it bounds what any admission policy can reach on that fleet; every
+# policy's ``of_ceiling`` is its share of it.
+CEILING = "ceiling"
+CEILING_POLICY = "least_loaded"
+CEILING_KV_FACTOR = 100
+
 
 def workload_feed(workload: str, concurrency: int, seed: int) -> ProgramFeed:
     """A closed loop at ``concurrency`` (swebench), or GRPO batches of that many (rl_rollout)."""
@@ -83,16 +92,27 @@ def run_policies(
     stop_when_done: bool = False,
     show_progress: bool = True,
     label: str = "",
+    ceiling: bool = False,
 ) -> list[SimResult]:
+    """One result per policy, in order; with ``ceiling``, a last result named
+    :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`)."""
     model = load_preset(preset)
+    runs: list[tuple[str, str, int | None]] = [(name, name, None) for name in policies]
+    if ceiling:
+        size = block_size or model.block_size
+        runs.append((CEILING, CEILING_POLICY, model.kv_capacity_tokens // size * CEILING_KV_FACTOR))
     results = []
-    for name in policies:
+    for shown, name, num_blocks in runs:
         policy = make_policy(policy_config, name=name)
-        progress = Progress(f"{label}{name}", duration_s) if show_progress else None
+        progress = Progress(f"{label}{shown}", duration_s) if show_progress else None
         simulation = Simulation(policy, feed_for(), workers=workers, model=model,
                                 duration_s=duration_s, block_size=block_size,
-                                progress=progress, stop_when_done=stop_when_done)
-        results.append(simulation.run())
+                                num_blocks=num_blocks, progress=progress,
+                                stop_when_done=stop_when_done)
+        result = simulation.run()
+        if shown != name:
+            result = dataclasses.replace(result, policy=shown)
+        results.append(result)
         if progress is not None:
             progress.close()
     return results
@@ -105,5 +125,5 @@ def replay_programs(fmt: str, path: Path, time_scale: float) -> tuple[list[Progr
     return scale_times(programs, time_scale), block_size
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "WORKLOADS", "replay_programs",
+__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "WORKLOADS", "replay_programs",
            "run_policies", "scale_times", "trace_span_s", "workload_feed"]

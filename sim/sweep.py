@@ -16,8 +16,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_text, parse_policy_config
-from sim.report import format_markdown
-from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, workload_feed
+from sim.report import format_markdown, with_ceiling_ratio
+from sim.runs import CEILING, DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, workload_feed
 from sim.step_time import presets
 
 
@@ -35,6 +35,8 @@ class SweepConfig(BaseModel):
     policies: list[str]
     output_dir: str
     jobs: Annotated[int, Field(gt=0)] = 2
+    # a `ceiling` row per concurrency (unlimited KV; see sim.runs.CEILING_KV_FACTOR)
+    ceiling: bool = True
     policy: dict[str, Any] = {}
 
     @field_validator("workload")
@@ -82,11 +84,13 @@ def load_sweep(text: str, source: str) -> tuple[SweepConfig, PolicyConfig]:
 
 def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
     sweep, policy_config, concurrency, policy = args
+    is_ceiling = policy == CEILING
     [result] = run_policies(
-        [policy],
+        [] if is_ceiling else [policy],
         lambda: workload_feed(sweep.workload, concurrency, sweep.seed),
         workers=sweep.workers, preset=sweep.preset, duration_s=sweep.duration_s,
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
+        ceiling=is_ceiling,
     )
     row = {"concurrency": concurrency, **result.summary(),
            "marks": result.marks, "forced_resumes": result.forced_resumes,
@@ -97,7 +101,8 @@ def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
 def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> Path:
     out = Path(sweep.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    grid = [(sweep, policy_config, cc, policy) for cc in sweep.concurrency for policy in sweep.policies]
+    policies = list(sweep.policies) + ([CEILING] if sweep.ceiling else [])
+    grid = [(sweep, policy_config, cc, policy) for cc in sweep.concurrency for policy in policies]
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=sweep.jobs) as pool:
         for n, row in enumerate(pool.map(_one, grid), start=1):
@@ -105,6 +110,7 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
             sys.stderr.write(f"[{n}/{len(grid)}] CC{row['concurrency']} {row['policy']}: "
                              f"{row['output_tokens_per_s']:.0f} tok/s, hit {row['hit_rate']:.1%}\n")
             sys.stderr.flush()
+    rows = with_ceiling_ratio(rows, group="concurrency")
     config = sweep.model_dump()
     (out / "results.json").write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
     table = format_markdown(rows, extra=("concurrency",))
@@ -128,11 +134,13 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     for key, label, filename in (
         ("output_tokens_per_s", "output tokens/s", "throughput.png"),
         ("hit_rate", "prefix-cache hit rate", "hit_rate.png"),
+        ("p99_call_s", "p99 call latency (s)", "p99_latency.png"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for policy in policies:
             points = sorted((r["concurrency"], r[key]) for r in rows if r["policy"] == policy)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+            style = {"color": "black", "linestyle": "--"} if policy == CEILING else {}
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy, **style)
         ax.set_xlabel("concurrent programs")
         ax.set_ylabel(label)
         ax.set_title(f"{title}: {label}")
