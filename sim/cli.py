@@ -97,20 +97,42 @@ def replay(
                                      help="Multiply arrival and think times (0.5 replays twice as fast)."),
     preset: str = typer.Option(DEFAULT_PRESET, "--preset", help="Step-time preset."),
     drain: float = typer.Option(1800.0, "--drain", min=0.0,
-                                help="Simulated seconds allowed after the last arrival."),
+                                help="Open loop: simulated seconds allowed after the last arrival."),
+    concurrency: Optional[int] = typer.Option(
+        None, "--concurrency", min=1,
+        help="Closed loop: keep N conversations (a top-level session with its sub-agents) in "
+             "flight, starting the next in trace order when one ends; each keeps its own "
+             "think times and recorded gaps. Without it the replay is open loop: every "
+             "session starts at its recorded time."),
+    duration: Optional[float] = typer.Option(
+        None, "--duration", min=1.0,
+        help="Cap on simulated seconds. Default: open loop, the trace's span plus --drain; "
+             "with --concurrency, none: the run ends when every conversation has ended."),
+    timing: Optional[str] = typer.Option(
+        None, "--timing", metavar="think|recorded",
+        help="kvtester only. think (default, the tool's think-only timing): a request goes "
+             "think_time after the previous response; recorded: at its recorded time."),
+    warm_prefix: Optional[float] = typer.Option(
+        None, "--warm-prefix", min=0.0, max=1.0,
+        help="kvtester only: the fraction (default 0.5, 0: off) of the largest tool_tokens + "
+             "system_tokens that every session shares as a warm prefix."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
                                              dir_okay=False, metavar="PATH"),
 ) -> None:
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
+    import math
+
     from sim.runs import replay_programs
+    from sim.simulation import ConversationLoop, OpenLoop, ProgramFeed
     from sim.traces import TraceError
 
     names = _policies(policy)
     _check_preset(preset)
     if time_scale <= 0:
         raise _fail(f"--time-scale must be > 0, got {time_scale}")
+    loader_options = _replay_loader_options(fmt, timing, warm_prefix)
     try:
-        programs, block_size = replay_programs(fmt, trace, time_scale)
+        programs, block_size = replay_programs(fmt, trace, time_scale, **loader_options)
     except TraceError as err:
         raise _fail(str(err)) from None
     except (ValueError, OSError) as err:
@@ -121,33 +143,80 @@ def replay(
     span = trace_span_s(programs)
     typer.echo(f"{trace}: {sum(len(p.calls) for p in programs):,} calls in {len(programs):,} "
                f"sessions over {span:,.0f} s (block size {block_size})", err=True)
-    from sim.simulation import OpenLoop
+    if concurrency is None:
+        def feed_for() -> ProgramFeed:
+            return OpenLoop(_fresh(programs))
+
+        cap = span + drain if duration is None else duration
+    else:
+        def feed_for() -> ProgramFeed:
+            return ConversationLoop(programs, concurrency)
+
+        cap = math.inf if duration is None else duration
+        typer.echo(f"closed loop: {ConversationLoop(programs, concurrency).conversations:,} "
+                   f"conversations, {concurrency:,} in flight at a time", err=True)
 
     results = run_policies(
-        names, lambda: OpenLoop(_fresh(programs)), workers=workers, preset=preset,
-        duration_s=span + drain, block_size=block_size, stop_when_done=True,
-        label=f"replay {fmt} ",
+        names, feed_for, workers=workers, preset=preset, duration_s=cap, block_size=block_size,
+        stop_when_done=True, label=f"replay {fmt} ",
     )
     typer.echo(format_table([r.summary() for r in results]))
     if json_path is not None:
         config = {"command": _command_line(), "format": fmt, "trace": str(trace), "workers": workers,
                   "preset": preset, "time_scale": time_scale, "block_size": block_size,
-                  "policies": names}
+                  "policies": names, "concurrency": concurrency, "duration_s": duration,
+                  **loader_options}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
 
+def _replay_loader_options(fmt: str, timing: Optional[str], warm_prefix: Optional[float]
+                           ) -> dict[str, object]:
+    """The kvtester loader's options from ``--timing`` / ``--warm-prefix`` (other formats
+    have a single timing and no declared shared prefix, so the options are refused)."""
+    from sim.traces import KV_TIMINGS
+
+    if fmt != "kvtester":
+        given = [flag for flag, value in (("--timing", timing), ("--warm-prefix", warm_prefix))
+                 if value is not None]
+        if given:
+            raise _fail(f"{' and '.join(given)} apply only to --format kvtester")
+        return {}
+    if timing is not None and timing not in KV_TIMINGS:
+        raise _fail(f"--timing must be one of {', '.join(KV_TIMINGS)}, got {timing!r}")
+    options: dict[str, object] = {"timing": timing or "think"}
+    if warm_prefix is not None:
+        options["warm_prefix_fraction"] = warm_prefix
+    return options
+
+
+# an error names this many calls that cannot fit, then counts the rest
+_OFFENDERS_SHOWN = 20
+
+
 def _check_fits(programs, preset: str, block_size: int, trace: Path) -> None:
-    """A call whose prompt and output exceed a worker's whole KV pool can never run."""
+    """A call whose prompt and output exceed a worker's whole KV pool can never run: name
+    every such call (the first :data:`_OFFENDERS_SHOWN`, then how many more). The presets
+    have no context length of their own; the pool is the limit."""
     model = presets()[preset]
     capacity = model.kv_capacity_tokens // block_size * block_size
-    for spec in programs:
-        for k, call in enumerate(spec.calls):
-            need = call.prompt_tokens + call.output_tokens
-            if need > capacity:
-                raise _fail(f"{trace}: session {spec.session_id} call {k} needs {need:,} tokens of "
-                            f"KV, more than a worker's whole pool ({capacity:,}) under preset "
-                            f"{preset!r}")
+    offenders = [(spec.session_id, k, need) for spec in programs for k, call in enumerate(spec.calls)
+                 if (need := call.prompt_tokens + call.output_tokens) > capacity]
+    if not offenders:
+        return
+    sessions = len({session for session, _, _ in offenders})
+    lines = [f"  session {session} call {k}: {need:,} tokens"
+             for session, k, need in offenders[:_OFFENDERS_SHOWN]]
+    if len(offenders) > _OFFENDERS_SHOWN:
+        lines.append(f"  and {len(offenders) - _OFFENDERS_SHOWN:,} more")
+    verb = "needs" if len(offenders) == 1 else "need"
+    raise _fail(f"{trace}: {_count(len(offenders), 'call')} in {_count(sessions, 'session')} "
+                f"{verb} more KV than a worker's whole pool ({capacity:,} tokens under preset "
+                f"{preset!r}):\n" + "\n".join(lines))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def _fresh(programs):

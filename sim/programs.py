@@ -9,6 +9,12 @@ grows, each prompt extending the previous call's prompt and output, so block ``i
 stream has one hash for the whole program. The first ``shared_prefix_tokens`` belong to
 the program's prefix family (a system prompt and tool definitions shared across sessions)
 and hash the same in every program of that family.
+
+Sub-agents: a program may be *spawned* by its parent (``spawn_after_calls``: it starts when
+the parent has completed that many calls, whatever its ``start_at``) and a call may *wait*
+for other sessions (``waits_for``: call ``k`` is sent only once every listed session has
+ended, and not before its own ``think_s`` / ``at``). Together they model an agent that
+starts sub-agents and resumes once they have all returned.
 """
 
 from __future__ import annotations
@@ -16,6 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _FAMILY_BIT = 1 << 62
+
+
+def family_block_hash(family: int, block: int) -> int:
+    """The hash of block ``block`` of prefix family ``family``: the same in every program."""
+    return _FAMILY_BIT | (family << 32) | block
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,20 +60,32 @@ class ProgramSpec:
     start_at: float = 0.0
     # a barrier group (RL batches): the program may start only when the group opens
     group: int | None = None
+    # a sub-agent: start when the parent (``parent_session_id``) has completed this many
+    # calls (0: as the parent starts) instead of at ``start_at``; None: at ``start_at``
+    spawn_after_calls: int | None = None
+    # call index → sessions that must all have ended before that call is sent
+    waits_for: dict[int, tuple[str, ...]] = field(default_factory=dict)
     _stream: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.calls:
             raise ValueError(f"program {self.session_id} has no calls")
+        if self.spawn_after_calls is not None and (
+                self.parent_session_id is None or self.spawn_after_calls < 0):
+            raise ValueError(f"program {self.session_id}: spawn_after_calls needs a parent "
+                             f"session and must be ≥ 0, got {self.spawn_after_calls}")
+        bad = [k for k in self.waits_for if not 0 <= k < len(self.calls)]
+        if bad:
+            raise ValueError(f"program {self.session_id}: waits_for names call {bad[0]}, "
+                             f"but it has {len(self.calls)} calls")
 
     def stream_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """Hashes of the first ``num_blocks`` blocks of this program's token stream."""
         stream = self._stream
         shared_blocks = self.shared_prefix_tokens // block_size
-        family = _FAMILY_BIT | (self.family << 32)
         own = self.index << 32
         for i in range(len(stream), num_blocks):
-            stream.append(family | i if i < shared_blocks else own | i)
+            stream.append(family_block_hash(self.family, i) if i < shared_blocks else own | i)
         return stream if len(stream) == num_blocks else stream[:num_blocks]
 
     def call_hashes(self, call_index: int, block_size: int) -> list[int]:

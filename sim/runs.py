@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from scheduler.config import PolicyConfig
 from scheduler.policies import make_policy
@@ -118,10 +119,12 @@ def run_policies(
     return results
 
 
-def replay_programs(fmt: str, path: Path, time_scale: float) -> tuple[list[ProgramSpec], int]:
+def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: Any
+                    ) -> tuple[list[ProgramSpec], int]:
+    """A trace's programs with times scaled; ``loader_options`` go to its loader."""
     from sim.traces import load_trace
 
-    programs, block_size = load_trace(fmt, path)
+    programs, block_size = load_trace(fmt, path, **loader_options)
     return scale_times(programs, time_scale), block_size
 
 

@@ -10,6 +10,7 @@ never decides anything itself.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
@@ -81,6 +82,89 @@ class OpenLoop(ProgramFeed):
         return self._programs
 
 
+class ConversationLoop(ProgramFeed):
+    """Closed-loop trace replay: ``concurrency`` conversations in flight, the next (in trace
+    order) starting the moment one ends.
+
+    A conversation is a top-level session with all its sub-agents: the programs linked to it
+    through ``parent_session_id`` (a parent that is not among the programs makes a program
+    top-level). It has ended when every one of its programs has. Conversations are taken in
+    the order of their top-level program in ``programs``; the first ``concurrency`` start at
+    time 0. Each keeps its own timing relative to its start: ``think_s`` gaps are relative
+    already, and its ``start_at`` and recorded ``at`` times are shifted by its start minus
+    its recorded start (its earliest ``start_at``). Throughput then depends on how fast the
+    fleet serves the calls, not on the trace's longest conversation.
+    """
+
+    def __init__(self, programs: Iterable[ProgramSpec], concurrency: int) -> None:
+        if concurrency <= 0:
+            raise ValueError(f"concurrency must be > 0, got {concurrency}")
+        self._conversations = _conversations(list(programs))
+        self._concurrency = concurrency
+        self._next = 0
+        self._conversation_of: dict[str, int] = {}  # live session → its conversation
+        self._programs_left: dict[int, int] = {}  # live conversation → programs not ended
+
+    @property
+    def conversations(self) -> int:
+        return len(self._conversations)
+
+    def initial(self) -> list[ProgramSpec]:
+        programs: list[ProgramSpec] = []
+        for _ in range(min(self._concurrency, len(self._conversations))):
+            programs += self._start_next(0.0)
+        return programs
+
+    def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
+        number = self._conversation_of.pop(spec.session_id)
+        self._programs_left[number] -= 1
+        if self._programs_left[number]:
+            return []
+        del self._programs_left[number]
+        if self._next == len(self._conversations):
+            return []
+        return self._start_next(now)
+
+    def _start_next(self, now: float) -> list[ProgramSpec]:
+        number = self._next
+        self._next += 1
+        recorded = self._conversations[number]
+        recorded_start = min(spec.start_at for spec in recorded)
+        programs = [_shifted(spec, recorded_start, now) for spec in recorded]
+        for spec in programs:
+            self._conversation_of[spec.session_id] = number
+        self._programs_left[number] = len(programs)
+        return programs
+
+
+def _conversations(programs: list[ProgramSpec]) -> list[list[ProgramSpec]]:
+    """Programs grouped by their top-level session, groups in the order of that session."""
+    by_id = {spec.session_id: spec for spec in programs}
+    groups: dict[str, list[ProgramSpec]] = {}
+    for spec in programs:
+        groups.setdefault(_top_level(spec, by_id), []).append(spec)
+    position = {spec.session_id: i for i, spec in enumerate(programs)}
+    return [groups[top] for top in sorted(groups, key=position.__getitem__)]
+
+
+def _top_level(spec: ProgramSpec, by_id: dict[str, ProgramSpec]) -> str:
+    seen = {spec.session_id}
+    while spec.parent_session_id in by_id and spec.parent_session_id not in seen:
+        spec = by_id[spec.parent_session_id]
+        seen.add(spec.session_id)
+    return spec.session_id
+
+
+def _shifted(spec: ProgramSpec, recorded_start: float, start: float) -> ProgramSpec:
+    """A fresh copy of ``spec`` (its own hash stream) with its recorded times moved from
+    ``recorded_start`` to ``start`` (offsets first, so the conversation starts exactly then)."""
+    calls = [call if call.at is None
+             else dataclasses.replace(call, at=start + (call.at - recorded_start))
+             for call in spec.calls]
+    return dataclasses.replace(spec, calls=calls, start_at=start + (spec.start_at - recorded_start),
+                               _stream=[])
+
+
 class Batches(ProgramFeed):
     """RL rollouts: batch ``b+1`` starts when every program of batch ``b`` has ended."""
 
@@ -120,6 +204,8 @@ class _Running:
     next_call: int = 0
     started_at: float = 0.0
     previous_sequence_tokens: int = 0
+    # sessions its next call still waits for (``ProgramSpec.waits_for``)
+    waiting_on: int = 0
 
 
 @dataclass(slots=True)
@@ -241,6 +327,11 @@ class Simulation:
         # open-loop replays end when every program has ended, not at ``duration_s``
         self._stop_when_done = stop_when_done
         self._programs_live = 0
+        # sub-agents (``spawn_after_calls``, ``waits_for``)
+        self._live: dict[str, _Running] = {}
+        self._ended: set[str] = set()
+        self._spawns: dict[tuple[str, int], list[ProgramSpec]] = {}  # (parent, calls done)
+        self._waiters: dict[str, list[_Running]] = {}  # session → programs waiting for it
 
     # -- the event loop --------------------------------------------------------------
 
@@ -249,8 +340,7 @@ class Simulation:
 
     def run(self) -> SimResult:
         for spec in self.feed.initial():
-            self._push(spec.start_at, _START, spec)
-            self._programs_live += 1
+            self._add_program(spec, 0.0)
         self._push(0.0, _TICK, None)
         heap = self._heap
         end = self.duration_s
@@ -259,7 +349,8 @@ class Simulation:
             at, _, kind, payload, version = heapq.heappop(heap)
             if at > end:
                 break
-            if self._stop_when_done and self._programs_live == 0 and kind == _TICK and not self._has_pending():
+            if self._stop_when_done and kind == _TICK and not self._calls and not self._has_pending():
+                self._check_nothing_stuck()
                 break
             self._now = at
             if kind == _ENGINE:
@@ -283,12 +374,64 @@ class Simulation:
     def _has_pending(self) -> bool:
         return any(kind != _TICK for _, _, kind, _, _ in self._heap)
 
+    def _check_nothing_stuck(self) -> None:
+        """No call in flight and nothing scheduled: a program still alive waits for a
+        session that will never end or a parent that will never reach it."""
+        if self._programs_live == 0:
+            return
+        waiting = sorted(self._waiters) + sorted(parent for parent, _ in self._spawns)
+        raise RuntimeError(f"{self._programs_live} programs can never finish: they wait for "
+                           f"sessions that never end or start ({', '.join(waiting[:5])})")
+
+    def _add_program(self, spec: ProgramSpec, now: float) -> None:
+        """Schedule a program from the feed: at its ``start_at``, or — a sub-agent — when
+        its parent has completed ``spawn_after_calls`` calls."""
+        self._programs_live += 1
+        if spec.spawn_after_calls is None:
+            self._push(max(now, spec.start_at), _START, spec)
+            return
+        parent = spec.parent_session_id
+        assert parent is not None  # ProgramSpec checks it
+        reached = self._live.get(parent)
+        if parent in self._ended or (reached is not None and reached.next_call >= spec.spawn_after_calls):
+            self._push(now, _START, spec)
+        else:
+            self._spawns.setdefault((parent, spec.spawn_after_calls), []).append(spec)
+
+    def _release_spawns(self, session_id: str, calls_done: int, now: float) -> None:
+        for child in self._spawns.pop((session_id, calls_done), ()):
+            self._push(now, _START, child)
+
     def _start_program(self, spec: ProgramSpec, now: float) -> None:
         running = _Running(spec, 0, now)
+        self._live[spec.session_id] = running
+        self._release_spawns(spec.session_id, 0, now)
         self._push(now + spec.calls[0].think_s if spec.calls[0].at is None else max(now, spec.calls[0].at),
                    _CALL, running)
 
+    def _waits(self, program: _Running) -> bool:
+        """Whether the program's next call must wait for sessions still running; if so it
+        is registered with them and sent when the last one ends (:meth:`_end_session`)."""
+        awaited = program.spec.waits_for.get(program.next_call)
+        if not awaited:
+            return False
+        running = [session for session in awaited if session not in self._ended]
+        for session in running:
+            self._waiters.setdefault(session, []).append(program)
+        program.waiting_on = len(running)
+        return bool(running)
+
+    def _end_session(self, session_id: str, now: float) -> None:
+        self._live.pop(session_id, None)  # a feed may reuse a session id; the latest is live
+        self._ended.add(session_id)
+        for waiter in self._waiters.pop(session_id, ()):
+            waiter.waiting_on -= 1
+            if waiter.waiting_on == 0:
+                self._push(now, _CALL, waiter)
+
     def _on_call(self, program: _Running, now: float) -> None:
+        if self._waits(program):
+            return
         spec = program.spec
         k = program.next_call
         call_spec = spec.calls[k]
@@ -387,13 +530,14 @@ class Simulation:
         spec = program.spec
         program.previous_sequence_tokens = spec.calls[call.index].prompt_tokens + spec.calls[call.index].output_tokens
         program.next_call = call.index + 1
+        self._release_spawns(spec.session_id, program.next_call, now)
         if program.next_call >= len(spec.calls):
             self._programs_completed += 1
             self._programs_live -= 1
             self._program_times.append(now - program.started_at)
+            self._end_session(spec.session_id, now)
             for new in self.feed.on_program_end(spec, now):
-                self._push(max(now, new.start_at), _START, new)
-                self._programs_live += 1
+                self._add_program(new, now)
             return
         following = spec.calls[program.next_call]
         at = now + following.think_s if following.at is None else max(now, following.at)

@@ -260,6 +260,143 @@ def test_replay_kvtester_error_names_the_json_path(runner, tmp_path):
     assert_error(result, "requests[1].in")
 
 
+# -- replay: kv-cache-tester semantics and the closed loop ----------------------------------
+
+
+def agent_conversation(cid: str, base_hash: int, *, turns: int = 2, first_t: float = 0.0,
+                       gap_s: float = 1.0, think_s: float = 0.5, **extra) -> dict:
+    """A kv-cache-tester conversation: ``turns`` requests, a sub-agent started after the
+    first (its times count from its entry's ``t``) that the second waits for."""
+    def request(t: float, n_in: int, hashes: list[int], **fields) -> dict:
+        return {"t": t, "type": "s", "in": n_in, "out": 16, "hash_ids": hashes, **fields}
+
+    own = [base_hash + i for i in range(turns + 4)]
+    requests = [request(first_t, 200, own[:4])]
+    requests.append({"type": "subagent", "agent_id": "explore", "t": first_t + 0.5, "requests": [
+        request(0.0, 150, [base_hash + 100, base_hash + 101, base_hash + 102]),
+        request(gap_s, 220, [base_hash + 100, base_hash + 101, base_hash + 102, base_hash + 103],
+                think_time=think_s)]})
+    for k in range(1, turns):
+        requests.append(request(first_t + k * gap_s, 200 + 64 * k, own[:4 + k], think_time=think_s))
+    return {"id": cid, "block_size": 64, **extra, "requests": requests}
+
+
+def write_conversations(directory: Path, docs: list[dict]) -> Path:
+    directory.mkdir()
+    for n, doc in enumerate(docs):
+        (directory / f"{n:03d}.json").write_text(json.dumps(doc))
+    return directory
+
+
+def test_replay_concurrency_keeps_n_conversations_in_flight_and_starts_the_next_when_one_ends(
+        runner, tmp_path, monkeypatch):
+    from sim.simulation import ConversationLoop
+
+    starts: list[tuple[float, int]] = []  # (time, conversation) as each one starts
+    ends: dict[str, float] = {}
+    start_next, on_end = ConversationLoop._start_next, ConversationLoop.on_program_end
+
+    def record_start(self, now):
+        starts.append((now, self._next))
+        return start_next(self, now)
+
+    def record_end(self, spec, now):
+        ends[spec.session_id] = now
+        return on_end(self, spec, now)
+
+    monkeypatch.setattr(ConversationLoop, "_start_next", record_start)
+    monkeypatch.setattr(ConversationLoop, "on_program_end", record_end)
+    # recorded 10 minutes apart: an open-loop replay would take an hour
+    docs = [agent_conversation(f"c{n}", 1000 * n, turns=2 + n % 3, first_t=600.0 * n)
+            for n in range(6)]
+    trace = write_conversations(tmp_path / "convs", docs)
+    out = tmp_path / "closed.json"
+    result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace, "--workers", 1,
+                    "--policy", "least_loaded", "--concurrency", 2, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "6 conversations, 2 in flight at a time" in result.stderr
+    assert_results(out, ["least_loaded"])
+    assert json.loads(out.read_text())["config"]["concurrency"] == 2
+    # every conversation ran, in trace order, and every program of it ended
+    assert [n for _, n in starts] == list(range(6))
+    assert len(ends) == 12  # 6 conversations of a top-level session and a sub-agent
+    begin = [t for t, _ in starts]
+    finish = [max(t for sid, t in ends.items() if sid.split("/")[0] == f"c{n}") for n in range(6)]
+    assert begin[:2] == [0.0, 0.0]
+    for n in range(2, 6):
+        assert begin[n] in finish[:n], n  # the moment an earlier conversation ended
+        assert sum(1 for j in range(6) if begin[j] <= begin[n] < finish[j]) == 2
+    assert max(finish) < 600.0  # recorded start times are not waited for
+
+
+def test_replay_kvtester_think_timing_does_not_wait_out_recorded_gaps(runner, tmp_path):
+    # recorded 120 s apart, but the client thought for 0.5 s: the rest was the old server
+    trace = tmp_path / "conv.json"
+    trace.write_text(json.dumps(agent_conversation("c", 0, turns=4, gap_s=120.0)))
+    rows = {}
+    for timing in ("think", "recorded"):
+        out = tmp_path / f"{timing}.json"
+        result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace,
+                        "--workers", 1, "--policy", "least_loaded", "--timing", timing,
+                        "--json", out)
+        assert result.exit_code == 0, result.output
+        doc = json.loads(out.read_text())
+        assert doc["config"]["timing"] == timing
+        rows[timing] = doc["results"][0]
+    # the same 6 calls; recorded timing spreads them over 6 minutes, think over seconds
+    assert rows["recorded"]["steps_per_min"] < 2.0
+    assert rows["think"]["steps_per_min"] > 20 * rows["recorded"]["steps_per_min"]
+
+
+def test_replay_warm_prefix_lets_conversations_share_the_tool_prefix(runner, tmp_path):
+    # two conversations with nothing in common but the declared tool + system prefix
+    # (192 tokens: 3 blocks); the second starts once the first's first call is done
+    docs = [agent_conversation("a", 0, tool_tokens=128, system_tokens=64),
+            agent_conversation("b", 5000, first_t=5.0, tool_tokens=128, system_tokens=64)]
+    trace = write_conversations(tmp_path / "convs", docs)
+    hit_rate = {}
+    for warm in (0, 1):
+        out = tmp_path / f"warm{warm}.json"
+        result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace,
+                        "--workers", 1, "--policy", "least_loaded", "--warm-prefix", warm,
+                        "--json", out)
+        assert result.exit_code == 0, result.output
+        hit_rate[warm] = json.loads(out.read_text())["results"][0]["hit_rate"]
+    assert hit_rate[1] > hit_rate[0]
+
+
+def test_replay_timing_and_warm_prefix_apply_only_to_kvtester(runner, tmp_path):
+    trace = write_lines(tmp_path / "mc.jsonl", mooncake_rows())
+    result = invoke(runner, "replay", "--format", "mooncake", "--trace", trace,
+                    "--timing", "think")
+    assert_error(result, "--timing apply only to --format kvtester")
+    kv = tmp_path / "conv.json"
+    kv.write_text(json.dumps(agent_conversation("c", 0)))
+    result = invoke(runner, "replay", "--format", "kvtester", "--trace", kv, "--timing", "original")
+    assert_error(result, "--timing must be one of think, recorded")
+
+
+def test_replay_reports_every_call_that_cannot_fit(runner, tmp_path):
+    # llama3.1-8b-h100 holds 426,432 tokens of KV in whole 64-token blocks; 25 calls in 3
+    # sessions (two conversations and a sub-agent) need more
+    def huge(t: float) -> dict:
+        return {"t": t, "type": "s", "in": 500_000, "out": 10, "hash_ids": []}
+
+    first = agent_conversation("big", 0)
+    first["requests"] += [huge(10.0 + k) for k in range(10)]
+    first["requests"][1]["requests"] += [huge(5.0 + k) for k in range(5)]
+    second = agent_conversation("huge", 9000)
+    second["requests"] += [huge(10.0 + k) for k in range(10)]
+    trace = write_conversations(tmp_path / "convs", [first, second])
+    result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace)
+    assert_error(result, "25 calls in 3 sessions need more KV than a worker's whole pool "
+                 "(426,432 tokens under preset 'llama3.1-8b-h100'):",
+                 "  session big call 2: 500,010 tokens", "  session huge call 11: 500,010 tokens",
+                 "  and 5 more")  # the sub-agent's, whose session starts last
+    listed = [line for line in result.stderr.splitlines() if line.startswith("  session ")]
+    assert len(listed) == len(set(listed)) == 20
+
+
 # -- sweep ------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from scheduler.kv_events import BlockRemoved
 from scheduler.policies import make_policy
 from scheduler.policies.routing import RoundRobinPolicy
 from sim.programs import CallSpec, ProgramSpec
-from sim.simulation import Batches, ClosedLoop, OpenLoop, Simulation
+from sim.simulation import Batches, ClosedLoop, ConversationLoop, OpenLoop, Simulation
 from sim.step_time import StepTimeModel
 
 BS = 4
@@ -184,6 +184,152 @@ def test_batches_start_only_after_the_previous_batch_ended():
                          if rid.split("#")[0] in {s.session_id for s in made[b + 1]})
         assert first_next >= batch_end
     assert {s.start_at for s in made[0]} == {0.0}
+
+
+# -- sub-agents: spawned by their parent, awaited before its next call ----------------------
+
+
+def child(index: int, parent: str, after: int, **kwargs) -> ProgramSpec:
+    """A sub-agent of ``parent`` started once the parent has completed ``after`` calls; a
+    ``start_at`` far away shows it is not what starts it."""
+    return dataclasses.replace(program(index, session=f"c{index}", start_at=500.0, **kwargs),
+                               parent_session_id=parent, spawn_after_calls=after)
+
+
+def completed_at(rec: Recorder) -> dict[str, float]:
+    return {rid: t for rid, t, _, _ in rec.completions}
+
+
+def test_a_subagent_starts_when_its_parent_has_completed_that_many_calls():
+    parent = program(0, turns=2, think_s=0.5)
+    children = [child(1, "p0", 0), child(2, "p0", 1), child(3, "p0", 2)]
+    sim = simulation("least_loaded", OpenLoop([*children, parent]), workers=2,
+                     duration_s=1000.0, stop_when_done=True)
+    rec = Recorder(sim)
+    result = sim.run()
+    done = completed_at(rec)
+    assert rec.arrivals["c1#0"] == rec.arrivals["p0#0"] == 0.0  # with the parent's start
+    assert rec.arrivals["c2#0"] == done["p0#0"]  # as the parent's first call completes
+    assert rec.arrivals["c3#0"] == done["p0#1"]  # after its last: nobody waits for it
+    assert result.programs_completed == 4 and result.duration_s < 500.0
+
+
+def test_a_call_that_waits_for_subagents_is_sent_when_the_last_one_ends():
+    parent = dataclasses.replace(program(0, turns=3, think_s=0.5), waits_for={1: ("c1", "c2")})
+    # the sub-agents take longer than the parent's own think time
+    children = [child(1, "p0", 1, turns=3, think_s=2.0), child(2, "p0", 1, turns=2, think_s=3.0)]
+    sim = simulation("least_loaded", OpenLoop([parent, *children]), workers=2,
+                     duration_s=1000.0, stop_when_done=True)
+    rec = Recorder(sim)
+    sim.run()
+    done = completed_at(rec)
+    last_child_end = max(done["c1#2"], done["c2#1"])
+    assert last_child_end > done["p0#0"] + 0.5
+    assert rec.arrivals["p0#1"] == last_child_end
+    # a call without sub-agents to wait for keeps its own think time
+    assert rec.arrivals["p0#2"] == pytest.approx(done["p0#1"] + 0.5)
+
+
+def test_a_kvtester_parent_sends_its_next_request_only_after_its_subagents_last_completed(
+        tmp_path):
+    import json
+
+    from sim.traces import load_kvtester
+
+    doc = {"id": "p", "block_size": BS, "requests": [
+        {"t": 0.0, "in": 9, "out": 3, "hash_ids": [1, 2, 3]},
+        {"type": "subagent", "agent_id": "a", "t": 1.0, "requests": [
+            {"t": 0.0, "in": 9, "out": 3, "hash_ids": [5, 6, 7]},
+            {"t": 4.0, "in": 13, "out": 3, "hash_ids": [5, 6, 7, 8], "think_time": 3.0}]},
+        {"t": 2.0, "in": 13, "out": 3, "hash_ids": [1, 2, 3, 4], "think_time": 0.1},
+    ]}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    for timing in ("think", "recorded"):
+        programs, block_size = load_kvtester(path, timing=timing)
+        assert block_size == BS
+        sim = simulation("least_loaded", OpenLoop(programs), workers=2, duration_s=1000.0,
+                         stop_when_done=True)
+        rec = Recorder(sim)
+        sim.run()
+        done = completed_at(rec)
+        # the sub-agent starts as the parent's first request completes (think) or at its
+        # recorded time (1 s, the entry's t), and the parent's next request waits for it
+        start = done["p#0"] if timing == "think" else 1.0
+        assert rec.arrivals["p/a#0"] == pytest.approx(start), timing
+        assert rec.arrivals["p/a#1"] == pytest.approx(
+            done["p/a#0"] + 3.0 if timing == "think" else max(done["p/a#0"], 5.0)), timing
+        assert rec.arrivals["p#1"] == done["p/a#1"], timing
+
+
+def test_a_program_waiting_for_a_session_that_never_runs_is_an_error():
+    parent = dataclasses.replace(program(0, turns=2), waits_for={1: ("ghost",)})
+    sim = simulation("least_loaded", OpenLoop([parent]), duration_s=1000.0, stop_when_done=True)
+    with pytest.raises(RuntimeError, match="can never finish.*ghost"):
+        sim.run()
+
+
+# -- the closed-loop replay of conversations ----------------------------------------------
+
+
+def conversations(count: int) -> list[ProgramSpec]:
+    """``count`` conversations ``k`` of a top-level session ``r{k}`` and a sub-agent ``c{k}``
+    it starts after its first call and waits for; the recorded starts are far apart, as in
+    an open-loop trace, and their lengths differ."""
+    programs = []
+    for k in range(count):
+        root = dataclasses.replace(program(2 * k, turns=2 + k % 3, session=f"r{k}",
+                                           start_at=1000.0 * k, think_s=0.3),
+                                   waits_for={1: (f"c{k}",)})
+        sub = dataclasses.replace(program(2 * k + 1, turns=1 + k % 2, session=f"c{k}",
+                                          start_at=1000.0 * k + 1.0),
+                                  parent_session_id=f"r{k}", spawn_after_calls=1)
+        programs += [root, sub]
+    return programs
+
+
+def test_conversation_loop_keeps_n_conversations_in_flight_and_starts_the_next_when_one_ends():
+    count, concurrency = 7, 3
+    sim = simulation("least_loaded", ConversationLoop(conversations(count), concurrency),
+                     workers=2, duration_s=float("inf"), stop_when_done=True)
+    rec = Recorder(sim)
+    result = sim.run()
+    assert result.programs_completed == 2 * count
+    ended = dict(rec.ends)
+    starts = [rec.arrivals[f"r{k}#0"] for k in range(count)]
+    ends = [max(ended[f"r{k}"], ended[f"c{k}"]) for k in range(count)]
+    assert starts[:concurrency] == [0.0] * concurrency
+    # each later conversation starts, in trace order, the moment an earlier one ended
+    assert starts == sorted(starts)
+    for k in range(concurrency, count):
+        assert starts[k] in ends[:k], k
+    # at every start, exactly `concurrency` conversations are in flight (counting it)
+    for k in range(count):
+        alive = [j for j in range(count) if starts[j] <= starts[k] < ends[j]]
+        assert len(alive) == concurrency, (k, alive)
+    # the run ends with the last conversation, far before the recorded starts
+    assert result.duration_s == pytest.approx(max(ends)) and max(ends) < 1000.0
+
+
+def test_conversation_loop_keeps_recorded_gaps_relative_to_the_conversations_start():
+    first = program(0, turns=2, session="a", start_at=50.0)
+    second = program(1, turns=3, session="b", start_at=200.0)
+    second.calls[1] = dataclasses.replace(second.calls[1], at=206.0)  # 6 s after its start
+    sim = simulation("least_loaded", ConversationLoop([first, second], 1), duration_s=1000.0,
+                     stop_when_done=True)
+    rec = Recorder(sim)
+    sim.run()
+    ended = dict(rec.ends)
+    assert rec.arrivals["a#0"] == 0.0
+    assert rec.arrivals["b#0"] == ended["a"]
+    assert rec.arrivals["b#1"] == pytest.approx(ended["a"] + 6.0)
+    assert second.calls[1].at == 206.0  # the feed copies what it shifts
+
+
+def test_conversation_loop_needs_a_positive_concurrency():
+    with pytest.raises(ValueError, match="concurrency"):
+        ConversationLoop(conversations(2), 0)
+    assert ConversationLoop(conversations(5), 2).conversations == 5
 
 
 # -- calls ----------------------------------------------------------------------------------

@@ -243,7 +243,8 @@ def write_json(path: Path, doc) -> Path:
 
 
 def test_kvtester_loads_a_conversation_with_subagents(tmp_path):
-    programs, block_size = load_kvtester(write_json(tmp_path / "c.json", conversation()))
+    programs, block_size = load_kvtester(write_json(tmp_path / "c.json", conversation()),
+                                         timing="recorded", warm_prefix_fraction=0.0)
     assert block_size == 64
     assert [p.session_id for p in programs] == ["conv1", "conv1/agentX", "conv1/sa2"]
     assert [p.index for p in programs] == [0, 1, 2]
@@ -278,7 +279,7 @@ def test_kvtester_directory_and_local_scope_namespaces(tmp_path):
         doc["requests"] = doc["requests"][:2]
         write_json(d / f"{name}.json", doc)
     (d / "notes.txt").write_text("not a trace")
-    programs, block_size = load_kvtester(d)
+    programs, block_size = load_kvtester(d, warm_prefix_fraction=0.0)
     assert block_size == 64
     progs = by_id(programs)
     assert set(progs) == {"a", "b", "c"}
@@ -548,11 +549,147 @@ def test_load_trace_dispatches_on_the_format(tmp_path, mooncake_file):
         load_trace("csv", mooncake_file)
 
 
-def test_kvtester_missing_think_time_falls_back_to_the_gap_after_api_time(tmp_path):
+def test_kvtester_missing_think_time_falls_back_to_the_recorded_gap(tmp_path):
+    # trace_replay_tester.md, "Timing Strategies": every strategy falls back to
+    # `original` (t[N] − t[N−1]) when the timing fields are absent; api_time is not used
     doc = {"id": "c", "block_size": 64, "requests": [
         {"t": 0.0, "in": 100, "out": 5, "hash_ids": [1, 2], "api_time": 2.0},
-        {"t": 5.0, "in": 150, "out": 5, "hash_ids": [1, 3, 4]},  # 5 − 0 − 2 = 3 s
-        {"t": 9.0, "in": 200, "out": 5, "hash_ids": [1, 3, 5, 6], "think_time": None},  # 0
+        {"t": 5.0, "in": 150, "out": 5, "hash_ids": [1, 3, 4]},  # 5 − 0
+        {"t": 9.0, "in": 200, "out": 5, "hash_ids": [1, 3, 5, 6], "think_time": None},  # 9 − 5
+        {"t": 12.0, "in": 250, "out": 5, "hash_ids": [1, 3, 5, 7], "think_time": 0.25},
     ]}
     (p,), _ = load_kvtester(write_json(tmp_path / "c.json", doc))
-    assert [c.think_s for c in p.calls] == [0.0, 3.0, 0.0]
+    assert [c.think_s for c in p.calls] == [0.0, 5.0, 4.0, 0.25]
+
+
+# kv-cache-tester semantics (docs/trace_replay_tester.md: "Trace Format", "Timing
+# Strategies", "Sub-Agent Handling", "Cross-Conversation Cache Sharing"; trace_replay_tester.py
+# counts a sub-agent's nested `t` from the sub-agent entry's `t`).
+
+
+def kv_request(t: float, n_in: int, hashes: list[int], **extra) -> dict:
+    return {"t": t, "type": "s", "in": n_in, "out": 4, "hash_ids": hashes, **extra}
+
+
+def agent_conversation(**extra) -> dict:
+    """A parent that starts two sub-agents at once (one of which starts its own), then
+    resumes; a last sub-agent nobody waits for."""
+    return {"id": "p", "block_size": 4, **extra, "requests": [
+        kv_request(0.0, 9, [1, 2, 3], think_time=0.0),
+        kv_request(2.0, 13, [1, 2, 3, 4], think_time=0.5),
+        {"type": "subagent", "agent_id": "a", "t": 10.0, "requests": [
+            kv_request(0.0, 9, [20, 21, 22]),
+            {"type": "subagent", "agent_id": "deep", "t": 1.0, "requests": [
+                kv_request(0.5, 9, [30, 31, 32])]},
+            kv_request(3.0, 13, [20, 21, 22, 23], think_time=0.25),
+        ]},
+        {"type": "subagent", "agent_id": "b", "t": 10.5, "requests": [
+            kv_request(1.0, 9, [40, 41, 42])]},
+        kv_request(30.0, 17, [1, 2, 3, 4, 5], think_time=2.0),
+        {"type": "subagent", "agent_id": "last", "t": 31.0, "requests": [
+            kv_request(0.0, 9, [50, 51, 52])]},
+    ]}
+
+
+def test_kvtester_subagent_times_count_from_the_entrys_t(tmp_path):
+    programs, _ = load_kvtester(write_json(tmp_path / "c.json", agent_conversation()),
+                                timing="recorded")
+    progs = by_id(programs)
+    assert [c.at for c in progs["p"].calls] == [0.0, 2.0, 30.0]
+    assert [c.at for c in progs["p/a"].calls] == [10.0, 13.0]  # 10 + 0, 10 + 3
+    assert [c.at for c in progs["p/a/deep"].calls] == [11.5]  # 10 + 1 + 0.5
+    assert [c.at for c in progs["p/b"].calls] == [11.5]  # 10.5 + 1
+    assert progs["p/a"].start_at == 10.0 and progs["p/a/deep"].start_at == 11.5
+    assert [p.session_id for p in programs] == ["p", "p/a", "p/a/deep", "p/b", "p/last"]
+
+
+def test_kvtester_parent_waits_for_the_subagents_it_started(tmp_path):
+    programs, _ = load_kvtester(write_json(tmp_path / "c.json", agent_conversation()))
+    progs = by_id(programs)
+    # a and b are started together once the parent's first two calls have completed, and
+    # its third call waits for both; `last` comes after its last call: nobody waits for it
+    assert progs["p"].waits_for == {2: ("p/a", "p/b")}
+    assert [(progs[s].parent_session_id, progs[s].spawn_after_calls)
+            for s in ("p/a", "p/b", "p/last")] == [("p", 2), ("p", 2), ("p", 3)]
+    # nested: a starts deep after its own first call and waits for it before its second
+    assert progs["p/a"].waits_for == {1: ("p/a/deep",)}
+    assert (progs["p/a/deep"].parent_session_id, progs["p/a/deep"].spawn_after_calls) == ("p/a", 1)
+    assert progs["p"].spawn_after_calls is None and progs["p/b"].waits_for == {}
+
+
+def test_kvtester_subagent_entry_without_requests_of_its_own_is_transparent(tmp_path):
+    doc = {"id": "p", "block_size": 4, "requests": [
+        kv_request(0.0, 9, [1, 2, 3]),
+        {"type": "subagent", "agent_id": "hub", "t": 1.0, "requests": [
+            {"type": "subagent", "agent_id": "x", "requests": [kv_request(0.0, 9, [5, 6, 7])]},
+            {"type": "subagent", "agent_id": "y", "requests": [kv_request(0.0, 9, [8, 9, 10])]},
+        ]},
+        kv_request(5.0, 13, [1, 2, 3, 4]),
+    ]}
+    programs, _ = load_kvtester(write_json(tmp_path / "c.json", doc))
+    progs = by_id(programs)
+    assert "p/hub" not in progs
+    assert progs["p"].waits_for == {1: ("p/hub/x", "p/hub/y")}
+    assert all((progs[s].parent_session_id, progs[s].spawn_after_calls) == ("p", 1)
+               for s in ("p/hub/x", "p/hub/y"))
+
+
+def test_kvtester_think_timing_sends_requests_think_time_after_the_previous_response(tmp_path):
+    path = write_json(tmp_path / "c.json", agent_conversation())
+    think = by_id(load_kvtester(path)[0])  # the default, as in kv-cache-tester
+    recorded = by_id(load_kvtester(path, timing="recorded")[0])
+    # think: no arrival times; a session's first request goes as it starts, later ones
+    # think_time after the previous response — or, without one, the gap since the previous
+    # entry's t (the parent's third request: 30 − 10.5, the last sub-agent entry's t)
+    assert all(c.at is None for p in think.values() for c in p.calls)
+    assert [c.think_s for c in think["p"].calls] == [0.0, 0.5, 2.0]
+    assert [c.think_s for c in think["p/a"].calls] == [0.0, 0.25]
+    doc = agent_conversation()
+    del doc["requests"][4]["think_time"]
+    fallback = by_id(load_kvtester(write_json(tmp_path / "c2.json", doc))[0])
+    assert [c.think_s for c in fallback["p"].calls] == [0.0, 0.5, 19.5]
+    # recorded: the same calls, with their recorded arrival times
+    assert [c.at for c in recorded["p"].calls] == [0.0, 2.0, 30.0]
+    assert [c.think_s for c in recorded["p"].calls] == [0.0, 0.5, 2.0]
+    with pytest.raises(ValueError, match="timing must be one of think, recorded"):
+        load_kvtester(path, timing="original")
+
+
+def test_kvtester_warm_prefix_is_shared_by_every_session(tmp_path):
+    d = tmp_path / "traces"
+    d.mkdir()
+    # the largest tool + system prefix is 20 tokens: half of it, 10 tokens, is warm, i.e.
+    # the first 2 blocks of 4 tokens of every session's prompts
+    write_json(d / "a.json", agent_conversation(tool_tokens=12, system_tokens=8))
+    other = {"id": "q", "block_size": 4, "tool_tokens": 6, "requests": [
+        kv_request(0.0, 13, [90, 91, 92, 93]),
+        kv_request(1.0, 17, [90, 91, 92, 93, 94]),
+        kv_request(2.0, 17, [95, 96, 97, 98, 99]),  # rewrote its history from block 0
+    ]}
+    write_json(d / "b.json", other)
+    progs = by_id(load_kvtester(d)[0])
+    warm = progs["p"].calls[0].hashes[:2]
+    assert len(set(warm)) == 2 and not set(warm) & {1, 2, 3, 90, 91}
+    for session in ("p", "p/a", "p/a/deep", "p/b", "p/last", "q"):
+        spec = progs[session]
+        assert spec.calls[0].hashes[:2] == warm, session
+        assert (spec.family, spec.shared_prefix_tokens) == (0, 8)
+    # later prompts keep it while they keep the first prompt's leading blocks
+    assert progs["p"].calls[2].hashes == (*warm, 3, 4)
+    assert progs["q"].calls[1].hashes == (*warm, 92, 93)
+    assert progs["q"].calls[2].hashes == (95, 96, 97, 98)
+    # 0 turns it off; without tool_tokens / system_tokens there is nothing to share
+    assert by_id(load_kvtester(d, warm_prefix_fraction=0.0)[0])["q"].calls[0].hashes == \
+        (90, 91, 92)
+    alone = by_id(load_kvtester(d / "a.json", warm_prefix_fraction=1.0)[0])
+    assert alone["p/b"].calls[0].hashes[:2] == alone["p"].calls[0].hashes[:2]
+    plain = agent_conversation()
+    assert by_id(load_kvtester(write_json(tmp_path / "plain.json", plain))[0])["p/b"] \
+        .calls[0].hashes == (40, 41)
+    with pytest.raises(ValueError, match="warm_prefix_fraction"):
+        load_kvtester(d, warm_prefix_fraction=1.5)
+
+
+def test_kvtester_rejects_a_negative_tool_or_system_token_count(tmp_path):
+    e = _kv_error(tmp_path, agent_conversation(tool_tokens=-1))
+    assert e.line == "tool_tokens" and "must be ≥ 0" in e.problem
