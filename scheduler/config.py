@@ -20,6 +20,7 @@ PolicyName = Literal[
     "sticky_least_loaded",
     "thunderagent",
     "continuum",
+    "autellix",
 ]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
 
@@ -94,6 +95,21 @@ class BaselineConfig(_Strict):
     continuum_ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
     continuum_max_ttl_s: Positive = 60.0
     continuum_pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
+    # autellix (arXiv 2502.13965): a call of at most this many prompt tokens goes to the
+    # least-used engine, a longer one to its program's engine (Algorithm 2: 2048).
+    autellix_short_call_tokens: Annotated[int, Field(ge=0)] = 2048
+    # autellix PLAS queues: K queues, Q_1 = [0, first_queue_s), each later bound `growth`
+    # times the one before. The paper publishes no values; Sluice's, sized to agent turns.
+    autellix_queues: Annotated[int, Field(ge=1, le=64)] = 8
+    autellix_first_queue_s: Positive = 1.0
+    autellix_queue_growth: Annotated[float, Field(gt=1.0)] = 2.0
+    # autellix anti-starvation β: a call enters Q_1 when its program's waiting time is at
+    # least β times its attained service (§4.2.2; no value published: Sluice's choice).
+    autellix_starvation_ratio: Positive = 8.0
+    # autellix attained service from usage: seconds per output token (one decode step) and
+    # per computed prompt token (sim/step_time.py's llama3.1-8b-h100 preset).
+    autellix_decode_token_s: Positive = 0.02
+    autellix_prefill_token_s: Positive = 3.6e-5
 
 
 class PolicyConfig(ProgramAwareConfig):

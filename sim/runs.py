@@ -24,7 +24,7 @@ from sim.step_time import preset as load_preset
 # tokens/s and 68.8% vs 68.7% hit rate at 16 vs 64).
 DEFAULT_BLOCK_SIZE = 64
 
-WORKLOADS = ("swebench", "rl_rollout")
+WORKLOADS = ("swebench", "rl_rollout", "rl_swe")
 
 # The ceiling row: the same programs on the same fleet with a KV pool this many times the
 # preset's, placed by least_loaded. The pool never fills on the committed runs (its only
@@ -37,8 +37,9 @@ CEILING_KV_FACTOR = 100
 
 
 def workload_feed(workload: str, concurrency: int, seed: int) -> ProgramFeed:
-    """A closed loop at ``concurrency`` (swebench), or GRPO batches of that many (rl_rollout)."""
-    from sim.workloads import RlRolloutWorkload, SwebenchWorkload
+    """A closed loop at ``concurrency`` (swebench), or GRPO batches of that many programs
+    (rl_rollout, rl_swe: ``concurrency // 8`` prompts × 8 samples)."""
+    from sim.workloads import RlRolloutWorkload, RlSweWorkload, SwebenchWorkload
 
     if workload == "swebench":
         return ClosedLoop(SwebenchWorkload(seed=seed).make_program, concurrency)
@@ -47,6 +48,11 @@ def workload_feed(workload: str, concurrency: int, seed: int) -> ProgramFeed:
         prompts = max(1, concurrency // samples)
         rl = RlRolloutWorkload(seed=seed, prompts_per_batch=prompts, samples_per_prompt=samples)
         return Batches(rl.batch)
+    if workload == "rl_swe":
+        samples = 8 if concurrency >= 8 else 1
+        swe = RlSweWorkload(seed=seed, prompts_per_batch=max(1, concurrency // samples),
+                            samples_per_prompt=samples)
+        return Batches(swe.batch)
     raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
 
 

@@ -1,9 +1,9 @@
 """Synthetic agent workloads (DESIGN.md §5 "sim/", "Workloads"): programs to play.
 
-Two generators, both deterministic given ``seed`` and a program's ``index`` and independent
+Three generators, all deterministic given ``seed`` and a program's ``index`` and independent
 of the order programs are asked for (each program draws from its own
 ``numpy.random.default_rng([seed, ...])`` stream), plus Poisson arrival times for open-loop
-use. Both produce :class:`sim.programs.ProgramSpec` objects whose calls use the program's
+use. All produce :class:`sim.programs.ProgramSpec` objects whose calls use the program's
 *token stream* (``hashes=None``): every prompt extends the previous call's prompt and
 output, ``prompt_k = prompt_{k-1} + output_{k-1} + observation_{k-1}``.
 
@@ -99,6 +99,53 @@ Every sample of a prompt has ``family`` = that prompt's id (``family_base + b·P
 ``group`` = the batch id ``b`` (the driver starts batch ``b+1`` only when all of batch ``b``
 has ended). Program ``index`` ``i`` is batch ``i // (P·G)``, prompt ``(i // G) % P``,
 sample ``i % G``.
+
+:class:`RlSweWorkload` parameters (agentic RL: GRPO over SWE-style episodes)
+
+===========================  =====================================  ===========================
+parameter                    default                                source
+===========================  =====================================  ===========================
+prompts_per_batch (P)        required (``sluice sim``: CC // 8)     [GRPO]
+samples_per_prompt (G)       required (``sluice sim``: 8)           [GRPO]
+task prompt (shared by its   system prompt 6144 + task              :class:`SwebenchWorkload`'s
+G samples)                   LogNormal(median 400, σ 0.8),
+                             clipped to [64, 8192]
+turns                        7 + LogNormal(median 4, σ 0.8),        assumption: a bounded
+                             capped at 14 → range [7, 14], median   horizon (see "Sizing")
+                             11, ~27 % at 14
+output_tokens (per turn)     LogNormal(median 160, σ 0.7),          :class:`SwebenchWorkload`
+                             clipped to [16, 4096]
+observation_tokens           LogNormal(median 600, σ 1.1),          assumption: twice
+                             clipped to [8, 8192]                   SwebenchWorkload's, so the
+                                                                    shorter episodes still end
+                                                                    at ~20k tokens (median)
+tool_latency_s (think_s)     LogNormal(median 1.5 s, σ 1.0),        :class:`SwebenchWorkload`'s,
+                             clipped to [0.05, 30] s                tail cut at 30 s
+test_run_probability         0.1 per tool call                      :class:`SwebenchWorkload`
+test_run_latency_s           LogNormal(median 20 s, σ 0.8),         assumption: an RL
+                             clipped to [5, 60] s                   environment runs the task's
+                                                                    own tests under a timeout
+max_context_tokens           131072 − 4096                          as above
+===========================  =====================================  ===========================
+
+Every sample draws its own episode (turns, outputs, observations, latencies) from
+``SwebenchWorkload.draw_turns`` / ``draw_calls`` with these parameters (any
+:class:`SwebenchWorkload` keyword overrides them); the G samples of a task share its prompt:
+``family`` = the task's id (``family_base + b·P + p``) and ``shared_prefix_tokens`` = system
+prompt + task. The stream hashes the prefix per family, so tasks do not share the system
+prompt with each other; only a task's own samples do. ``group`` = the batch, as above.
+
+Sizing (seed 7, 8 × ``llama3.1-8b-h100``, 426,483 tokens of KV each, 3.41 M in all):
+with every sample at its middle turn a batch holds ≈ 13.9k tokens per sample, so **CC 512
+≈ 2.1×** the fleet's KV (2.0× at CC ≈ 490; 1.2× if each task's shared prompt were stored
+once fleet-wide). Measured under least_loaded at CC 512, the live context peaks at 2.3×
+(ledger utilization averaged over workers). The horizon is short on purpose: at 2×
+oversubscription a thrashing fleet re-prefills every context on every turn, ≈ 30 s per
+turn, so SWE-bench's 20–80 turns would make one batch outlast a 30-minute run. With
+[7, 14] turns least_loaded finishes a batch in ≈ 560 s and the admission-controlled
+policies in ≈ 350–380 s, so every policy completes ≥ 3 batches in 1800 s (makespan p50/p99
+and output tokens per second in ``sluice sim``'s table). Within a batch the samples end at
+different times: the barrier leaves the fleet underused while the last ones run.
 """
 
 from __future__ import annotations
@@ -204,21 +251,30 @@ class SwebenchWorkload:
         self.test_run_latency_s = test_run_latency_s
         self.max_context_tokens = max_context_tokens
 
-    def make_program(self, index: int) -> ProgramSpec:
-        if index < 0:
-            raise ValueError(f"index must be ≥ 0, got {index}")
-        rng = np.random.default_rng([self.seed, index])
-        # Draw in a fixed order so a program depends on (seed, index) only.
-        turns = _shifted_count(rng, self.min_turns, self.extra_turns, self.max_turns)
-        task = self.task_tokens.draw_tokens(rng, 1)[0]
+    def draw_turns(self, rng: np.random.Generator) -> int:
+        """An episode's turn budget (it may end earlier on the context limit)."""
+        return _shifted_count(rng, self.min_turns, self.extra_turns, self.max_turns)
+
+    def draw_calls(self, rng: np.random.Generator, turns: int, first_prompt_tokens: int) -> list[CallSpec]:
+        """An episode's calls after its first prompt: per turn an output, an observation and
+        the tool latency before the next call (a test run with ``test_run_probability``)."""
         outputs = self.output_tokens.draw_tokens(rng, turns)
         observations = self.observation_tokens.draw_tokens(rng, turns)
         tool = self.tool_latency_s.draw(rng, turns)
         tests = self.test_run_latency_s.draw(rng, turns)
         is_test = rng.random(turns) < self.test_run_probability
         latencies = np.where(is_test, tests, tool).tolist()
-        calls = _grow(self.shared_prefix_tokens + task, turns, outputs, observations,
-                      latencies, self.max_context_tokens)
+        return _grow(first_prompt_tokens, turns, outputs, observations, latencies,
+                     self.max_context_tokens)
+
+    def make_program(self, index: int) -> ProgramSpec:
+        if index < 0:
+            raise ValueError(f"index must be ≥ 0, got {index}")
+        rng = np.random.default_rng([self.seed, index])
+        # Draw in a fixed order so a program depends on (seed, index) only.
+        turns = self.draw_turns(rng)
+        task = self.task_tokens.draw_tokens(rng, 1)[0]
+        calls = self.draw_calls(rng, turns, self.shared_prefix_tokens + task)
         return ProgramSpec(
             session_id=f"swe-{self.seed}-{index}",
             calls=calls,
@@ -233,7 +289,52 @@ class SwebenchWorkload:
         return [self.make_program(i) for i in range(start_index, start_index + n)]
 
 
-class RlRolloutWorkload:
+class _GrpoBatches:
+    """The batch shape both RL workloads share: batch ``b`` is P prompts × G samples, and
+    program ``index`` ``i`` is batch ``i // (P·G)``, prompt ``(i // G) % P``, sample ``i % G``."""
+
+    def __init__(self, seed: int, prompts_per_batch: int, samples_per_prompt: int,
+                 family_base: int) -> None:
+        if seed < 0:
+            raise ValueError(f"seed must be ≥ 0, got {seed}")
+        if prompts_per_batch <= 0 or samples_per_prompt <= 0:
+            raise ValueError("prompts_per_batch and samples_per_prompt must be > 0, got "
+                             f"{prompts_per_batch}, {samples_per_prompt}")
+        if family_base < 0:
+            raise ValueError(f"family_base must be ≥ 0, got {family_base}")
+        self.seed = seed
+        self.prompts_per_batch = prompts_per_batch
+        self.samples_per_prompt = samples_per_prompt
+        self.family_base = family_base
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_batch * self.samples_per_prompt
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """``(batch, prompt within the batch, sample within the prompt)`` of a program."""
+        g = self.samples_per_prompt
+        return index // self.batch_size, (index // g) % self.prompts_per_batch, index % g
+
+    def prompt_id(self, batch: int, prompt: int) -> int:
+        return batch * self.prompts_per_batch + prompt
+
+    def make_program(self, index: int) -> ProgramSpec:
+        raise NotImplementedError
+
+    def programs(self, n: int, start_index: int = 0) -> list[ProgramSpec]:
+        if n < 0:
+            raise ValueError(f"n must be ≥ 0, got {n}")
+        return [self.make_program(i) for i in range(start_index, start_index + n)]
+
+    def batch(self, b: int) -> list[ProgramSpec]:
+        """The P·G programs of batch ``b`` (all with ``group == b``)."""
+        if b < 0:
+            raise ValueError(f"batch must be ≥ 0, got {b}")
+        return self.programs(self.batch_size, b * self.batch_size)
+
+
+class RlRolloutWorkload(_GrpoBatches):
     """GRPO-style rollout batches: P prompts × G samples (parameters: the module docstring)."""
 
     def __init__(
@@ -251,20 +352,12 @@ class RlRolloutWorkload:
         env_latency_s: LogNormal = LogNormal(0.5, 1.0, 0.01, 60.0),
         max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
     ) -> None:
-        if seed < 0:
-            raise ValueError(f"seed must be ≥ 0, got {seed}")
-        if prompts_per_batch <= 0 or samples_per_prompt <= 0:
-            raise ValueError("prompts_per_batch and samples_per_prompt must be > 0, got "
-                             f"{prompts_per_batch}, {samples_per_prompt}")
-        if max_turns < 1 or family_base < 0:
-            raise ValueError("max_turns must be ≥ 1 and family_base ≥ 0")
+        super().__init__(seed, prompts_per_batch, samples_per_prompt, family_base)
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be ≥ 1, got {max_turns}")
         if max_context_tokens <= prompt_tokens.high:
             raise ValueError("max_context_tokens must exceed the largest prompt "
                              f"({prompt_tokens.high})")
-        self.seed = seed
-        self.prompts_per_batch = prompts_per_batch
-        self.samples_per_prompt = samples_per_prompt
-        self.family_base = family_base
         self.prompt_tokens = prompt_tokens
         self.max_turns = max_turns
         self.extra_turns = extra_turns
@@ -272,18 +365,6 @@ class RlRolloutWorkload:
         self.observation_tokens = observation_tokens
         self.env_latency_s = env_latency_s
         self.max_context_tokens = max_context_tokens
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_batch * self.samples_per_prompt
-
-    def locate(self, index: int) -> tuple[int, int, int]:
-        """``(batch, prompt within the batch, sample within the prompt)`` of a program."""
-        g = self.samples_per_prompt
-        return index // self.batch_size, (index // g) % self.prompts_per_batch, index % g
-
-    def prompt_id(self, batch: int, prompt: int) -> int:
-        return batch * self.prompts_per_batch + prompt
 
     def make_program(self, index: int) -> ProgramSpec:
         if index < 0:
@@ -307,16 +388,50 @@ class RlRolloutWorkload:
             group=b,
         )
 
-    def programs(self, n: int, start_index: int = 0) -> list[ProgramSpec]:
-        if n < 0:
-            raise ValueError(f"n must be ≥ 0, got {n}")
-        return [self.make_program(i) for i in range(start_index, start_index + n)]
 
-    def batch(self, b: int) -> list[ProgramSpec]:
-        """The P·G programs of batch ``b`` (all with ``group == b``)."""
-        if b < 0:
-            raise ValueError(f"batch must be ≥ 0, got {b}")
-        return self.programs(self.batch_size, b * self.batch_size)
+# The episode shape of an rl_swe sample: SwebenchWorkload's distributions with a bounded
+# horizon (module docstring, "RlSweWorkload parameters").
+RL_SWE_EPISODE: dict[str, object] = {
+    "min_turns": 7,
+    "max_turns": 14,
+    "extra_turns": LogNormal(4, 0.8, 0, 10_000),
+    "observation_tokens": LogNormal(600, 1.1, 8, 8192),
+    "tool_latency_s": LogNormal(1.5, 1.0, 0.05, 30.0),
+    "test_run_latency_s": LogNormal(20.0, 0.8, 5.0, 60.0),
+}
+
+
+class RlSweWorkload(_GrpoBatches):
+    """GRPO batches of long-horizon SWE-style rollouts: P tasks × G samples per batch
+    (parameters: the module docstring). Each sample is its own episode drawn like a
+    :class:`SwebenchWorkload` program; the G samples of a task share its prompt."""
+
+    def __init__(self, seed: int, prompts_per_batch: int, samples_per_prompt: int, *,
+                 family_base: int = 0, **episode: object) -> None:
+        super().__init__(seed, prompts_per_batch, samples_per_prompt, family_base)
+        # The episode generator supplies the distributions and the draws; its own seed is
+        # unused (each sample draws from this workload's streams).
+        self.episode = SwebenchWorkload(seed, **{**RL_SWE_EPISODE, **episode})  # type: ignore[arg-type]
+
+    def make_program(self, index: int) -> ProgramSpec:
+        if index < 0:
+            raise ValueError(f"index must be ≥ 0, got {index}")
+        b, p, g = self.locate(index)
+        pid = self.prompt_id(b, p)
+        episode = self.episode
+        # The task's own stream, the same for its G samples; then the sample's own.
+        task = episode.task_tokens.draw_tokens(np.random.default_rng([self.seed, 3, pid]), 1)[0]
+        prompt = episode.shared_prefix_tokens + task
+        rng = np.random.default_rng([self.seed, 4, index])
+        calls = episode.draw_calls(rng, episode.draw_turns(rng), prompt)
+        return ProgramSpec(
+            session_id=f"rlswe-{self.seed}-b{b}-p{p}-g{g}",
+            calls=calls,
+            index=index,
+            family=self.family_base + pid,
+            shared_prefix_tokens=prompt,
+            group=b,
+        )
 
 
 def open_loop_arrivals(rate_per_s: float, duration_s: float, seed: int) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler.config import PolicyConfig
+from scheduler.policies.autellix import AutellixPolicy
 from scheduler.policies.base import Policy
 from scheduler.policies.continuum import ContinuumPolicy
 from scheduler.policies.program_aware import ProgramAwarePolicy
@@ -24,6 +25,7 @@ POLICIES: dict[str, type[Policy]] = {
         StickyLeastLoadedPolicy,
         ThunderAgentPolicy,
         ContinuumPolicy,
+        AutellixPolicy,
     )
 }
 

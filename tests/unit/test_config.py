@@ -215,7 +215,7 @@ def test_policy_names_are_exactly_the_registered_policies():
 
     assert set(POLICY_NAMES) == set(POLICIES)
     assert {"program_aware", "round_robin", "least_loaded", "kv_aware", "sticky_least_loaded",
-            "thunderagent", "continuum"} == set(POLICY_NAMES)
+            "thunderagent", "continuum", "autellix"} == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

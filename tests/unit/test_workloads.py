@@ -12,6 +12,7 @@ from sim.workloads import (
     DEFAULT_MAX_CONTEXT_TOKENS,
     LogNormal,
     RlRolloutWorkload,
+    RlSweWorkload,
     SwebenchWorkload,
     open_loop_arrivals,
 )
@@ -219,6 +220,109 @@ def test_rl_rejects_bad_parameters():
         RlRolloutWorkload(seed=0, prompts_per_batch=2, samples_per_prompt=0)
     with pytest.raises(ValueError):
         RlRolloutWorkload(seed=0, prompts_per_batch=2, samples_per_prompt=2).batch(-1)
+
+
+# -- agentic RL over SWE-style episodes (rl_swe) --------------------------------------------
+
+
+def _mid_trajectory_tokens(programs: list[ProgramSpec]) -> int:
+    """Sum of live contexts with every program at its middle turn (the sizing measure)."""
+    return sum(p.calls[len(p.calls) // 2].prompt_tokens + p.calls[len(p.calls) // 2].output_tokens
+               for p in programs)
+
+
+def test_rl_swe_batch_is_tasks_times_samples_sharing_only_the_task_prompt():
+    w = RlSweWorkload(seed=3, prompts_per_batch=4, samples_per_prompt=8)
+    batch = w.batch(1)
+    assert len(batch) == 32 and {p.group for p in batch} == {1}
+    assert [p.index for p in batch] == list(range(32, 64))
+    by_family: dict[int, list[ProgramSpec]] = {}
+    for p in batch:
+        by_family.setdefault(p.family, []).append(p)
+    assert sorted(by_family) == [4, 5, 6, 7]  # task ids b·P + p
+    for samples in by_family.values():
+        assert len(samples) == 8
+        prompt = samples[0].calls[0].prompt_tokens
+        assert prompt > 6144  # the system prompt plus the task
+        assert {s.shared_prefix_tokens for s in samples} == {prompt}
+        assert {s.calls[0].prompt_tokens for s in samples} == {prompt}
+        blocks = prompt // 64
+        assert len({tuple(s.call_hashes(0, 64)[:blocks]) for s in samples}) == 1
+        # each sample is its own episode
+        assert len({tuple(_calls(s)[1:]) for s in samples}) == 8
+    assert w.make_program(63).session_id == "rlswe-3-b1-p3-g7"
+
+
+def test_rl_swe_is_deterministic_order_independent_and_seeded():
+    a = RlSweWorkload(seed=8, prompts_per_batch=2, samples_per_prompt=3)
+    b = RlSweWorkload(seed=8, prompts_per_batch=2, samples_per_prompt=3)
+    x = a.batch(2)
+    y = [b.make_program(i) for i in reversed(range(12, 18))][::-1]
+    assert all(_same(p, q) for p, q in zip(x, y))
+    assert all(_same(p, q) for p, q in zip(a.programs(6, start_index=12), x))
+    other = RlSweWorkload(seed=9, prompts_per_batch=2, samples_per_prompt=3).batch(2)
+    assert [_calls(p) for p in other] != [_calls(p) for p in x]
+
+
+def test_rl_swe_episodes_land_in_the_documented_ranges():
+    programs = RlSweWorkload(seed=7, prompts_per_batch=64, samples_per_prompt=8).batch(0)
+    turns = np.array([len(p.calls) for p in programs])
+    assert turns.min() >= 7 and turns.max() <= 14
+    assert 10 <= np.median(turns) <= 12
+    assert 0.15 <= (turns == 14).mean() <= 0.40
+    for p in programs:
+        _assert_stream_contract(p, DEFAULT_MAX_CONTEXT_TOKENS)
+    final = np.array([p.calls[-1].prompt_tokens + p.calls[-1].output_tokens for p in programs])
+    assert 15_000 <= np.median(final) <= 25_000
+    think = np.array([c.think_s for p in programs for c in p.calls[1:]])
+    assert think.max() <= 60.0  # tools cut at 30 s, test runs at 60 s
+    assert 0.5 <= np.median(think) <= 4.0
+    assert (think > 10.0).mean() > 0.05  # test runs
+    # the longest episode's tool time stays short enough for batches of minutes
+    assert max(sum(c.think_s for c in p.calls) for p in programs) < 300.0
+
+
+@pytest.mark.parametrize("seed", [7, 11])
+def test_rl_swe_batch_of_512_oversubscribes_eight_h100_workers_about_twice(seed):
+    from sim.runs import workload_feed
+    from sim.step_time import preset
+
+    feed = workload_feed("rl_swe", 512, seed)
+    batch = feed.initial()
+    assert len(batch) == 512 and len({p.family for p in batch}) == 64
+    assert {p.group for p in batch} == {0}
+    fleet = 8 * preset("llama3.1-8b-h100").kv_capacity_tokens
+    assert 1.9 <= _mid_trajectory_tokens(batch) / fleet <= 2.3  # documented: CC 512 ≈ 2.1×
+
+
+def test_rl_swe_takes_episode_overrides_and_rejects_bad_parameters():
+    w = RlSweWorkload(seed=1, prompts_per_batch=2, samples_per_prompt=2, min_turns=5, max_turns=5,
+                      test_run_probability=0.0)
+    assert {len(p.calls) for p in w.batch(0)} == {5}
+    assert max(c.think_s for p in w.batch(0) for c in p.calls) <= 30.0
+    with pytest.raises(ValueError):
+        RlSweWorkload(seed=0, prompts_per_batch=0, samples_per_prompt=8)
+    with pytest.raises(ValueError):
+        RlSweWorkload(seed=-1, prompts_per_batch=1, samples_per_prompt=8)
+    with pytest.raises(ValueError):
+        RlSweWorkload(seed=0, prompts_per_batch=1, samples_per_prompt=8, min_turns=9, max_turns=8)
+    with pytest.raises(TypeError):
+        RlSweWorkload(seed=0, prompts_per_batch=1, samples_per_prompt=8, turns=9)
+
+
+def test_rl_swe_runs_in_the_simulator_batch_after_batch():
+    from scheduler.policies import make_policy
+    from sim.runs import workload_feed
+    from sim.simulation import Simulation
+    from sim.step_time import preset
+
+    result = Simulation(make_policy(name="least_loaded"), workload_feed("rl_swe", 16, 5), workers=2,
+                        model=preset("llama3.1-8b-h100"), duration_s=1200.0, block_size=64).run()
+    assert len(result.batch_makespans_s) >= 2
+    assert result.programs_completed >= 32
+    summary = result.summary()
+    assert summary["batches"] == len(result.batch_makespans_s)
+    assert summary["p50_makespan_s"] > 0
 
 
 # -- open-loop arrivals --------------------------------------------------------------------
