@@ -47,10 +47,12 @@ class RetentionConfig(_Strict):
 class ProgramAwareConfig(_Strict):
     """Thresholds of the program-aware policy; see DESIGN.md §3 for each key's meaning."""
 
-    pause_threshold: Fraction = 0.95
-    pause_target: Fraction = 0.80
+    # v2 defaults (docs/design-notes.md "Policy v2"): pause only past the whole pool; the
+    # v1 values (0.95 / 0.80 / 0.10, the Dynamo port's) held ~15% of the pool back.
+    pause_threshold: Fraction = 1.0
+    pause_target: Fraction = 0.98
     soft_band_penalty: float = -2.0
-    resume_hysteresis: Annotated[float, Field(ge=0.0, le=1.0)] = 0.10
+    resume_hysteresis: Annotated[float, Field(ge=0.0, le=1.0)] = 0.03
     buffer_per_program: Annotated[int, Field(ge=0)] = 100
     resume_priority_boost_s: NonNegative = 1.0
     force_resume_after_s: Positive = 1800.0
@@ -63,6 +65,16 @@ class ProgramAwareConfig(_Strict):
     # Aging for resume order: a waiting program's size counts half after this long, so a
     # large program is not bypassed forever by a stream of small ones.
     resume_aging_halflife_s: Positive = 60.0
+    # Bounded waiting: a call held this long goes ahead (its program is resumed on its home,
+    # else the emptiest worker, room or not). None: only force_resume_after_s bounds it.
+    max_wait_s: Positive | None = 90.0
+    # Dormancy: an ACTING program still in its tool call after the ``dormant_quantile`` of
+    # recent tool-call durations (and at least ``dormant_min_s``) is likely in a long one:
+    # its KV counts in U at ``dormant_token_weight`` until its next call. None: off.
+    dormant_quantile: Annotated[float, Field(gt=0.0, lt=1.0)] | None = 0.5
+    dormant_min_s: NonNegative = 90.0
+    dormant_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    tool_time_window: Annotated[int, Field(ge=1)] = 1000
     retention: RetentionConfig = RetentionConfig()
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 ``U_w = (Σ_{p active on w} weight(p)·demand(p) − shared_w + buffer·n_w) / capacity_w``
 
-``weight(p)`` is 1 while REASONING and ``acting_token_weight`` while ACTING; ``demand(p)`` is
+``weight(p)`` is 1 while REASONING, ``acting_token_weight`` while ACTING, and 0 while a policy
+has marked the program dormant (ACTING in what looks like a long tool call: ``dormant_token_weight``); ``demand(p)`` is
 the program's context, or what its in-flight calls may grow to. ``shared_w`` counts the
 prefix tokens the active programs on ``w`` share: the larger of what the KV index shows
 (when the worker's events flow) and what the programs' continuation chains show (a trie
@@ -59,6 +60,8 @@ class Ledger:
         self._index = index
         self._workers: dict[str, WorkerLoad] = {}
         self._counted: dict[str, _Counted] = {}
+        # ACTING programs counted at weight 0 (see set_dormant); cleared when they reason
+        self._dormant: set[str] = set()
 
     def reconfigure(self, config: ProgramAwareConfig) -> None:
         """Swap thresholds; contributions are recomputed as programs next change."""
@@ -100,19 +103,39 @@ class Ledger:
     # -- programs ------------------------------------------------------------------------
 
     def weight(self, program: Program) -> float:
-        return 1.0 if program.phase is Phase.REASONING else self._config.acting_token_weight
+        if program.phase is Phase.REASONING:
+            return 1.0
+        if program.session_id in self._dormant:
+            return self._config.dormant_token_weight
+        return self._config.acting_token_weight
+
+    def set_dormant(self, program: Program) -> None:
+        """An ACTING program likely in a long tool call: its KV counts at
+        ``dormant_token_weight`` until its next call starts."""
+        if program.phase is not Phase.ACTING:
+            raise ValueError(f"{program.session_id}: only an ACTING program can be dormant")
+        self._dormant.add(program.session_id)
+        self.refresh(program)
+
+    def is_dormant(self, session: str) -> bool:
+        return session in self._dormant
 
     def refresh(self, program: Program) -> None:
         """Bring the sums in line with ``program``'s current state (call after any change)."""
         session = program.session_id
         old = self._counted.get(session)
+        if program.phase is Phase.REASONING or not program.active:
+            self._dormant.discard(session)
         if not program.active or program.home_worker is None:
             if old is not None:
                 self._uncount(session, old)
             return
         demand = program.demand_tokens()
         weighted = self.weight(program) * demand
-        chain = _chain_segments(program)
+        # A dormant program's KV is not counted, so neither is its share of common prefixes
+        # (else every dormant program sharing the system prompt would lower U by its size).
+        sharing = session not in self._dormant
+        chain = _chain_segments(program) if sharing else ()
         if old is not None and old.worker == program.home_worker:
             load = self._workers[old.worker]
             load.weighted_demand += weighted - old.weighted_demand
@@ -120,6 +143,7 @@ class Ledger:
             if chain != old.chain:
                 self._ancestry(load, old.chain, -1)
                 self._ancestry(load, chain, +1)
+            self._index.worker(load.name).set_counted(session, sharing)
             old.weighted_demand, old.demand, old.chain = weighted, demand, chain
             return
         if old is not None:
@@ -128,10 +152,11 @@ class Ledger:
         load.weighted_demand += weighted
         load.programs[session] = demand
         self._ancestry(load, chain, +1)
-        self._index.worker(load.name).set_counted(session, True)
+        self._index.worker(load.name).set_counted(session, sharing)
         self._counted[session] = _Counted(load.name, weighted, demand, chain)
 
     def forget(self, session: str) -> None:
+        self._dormant.discard(session)
         old = self._counted.get(session)
         if old is not None:
             self._uncount(session, old)

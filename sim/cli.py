@@ -118,6 +118,9 @@ def replay(
              "system_tokens that every session shares as a warm prefix."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
                                              dir_okay=False, metavar="PATH"),
+    ceiling: bool = typer.Option(True, "--ceiling/--no-ceiling",
+                                 help="Add a `ceiling` row (the same programs with unlimited KV) "
+                                      "and each policy's share of it (`of ceiling`)."),
 ) -> None:
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math
@@ -158,13 +161,13 @@ def replay(
 
     results = run_policies(
         names, feed_for, workers=workers, preset=preset, duration_s=cap, block_size=block_size,
-        stop_when_done=True, label=f"replay {fmt} ",
+        stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling,
     )
-    typer.echo(format_table([r.summary() for r in results]))
+    typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": _command_line(), "format": fmt, "trace": str(trace), "workers": workers,
                   "preset": preset, "time_scale": time_scale, "block_size": block_size,
-                  "policies": names, "concurrency": concurrency, "duration_s": duration,
+                  "policies": names, "ceiling": ceiling, "concurrency": concurrency, "duration_s": duration,
                   **loader_options}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")

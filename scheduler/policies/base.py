@@ -50,6 +50,10 @@ class PolicyStats:
     forced_resumes: int = 0
     marks: int = 0
     releases: int = 0
+    # program_aware v2: resumes forced by max_wait_s (also counted in forced_resumes), and
+    # programs found dormant (in a long tool call: KV demoted, not counted in U)
+    wait_limit_resumes: int = 0
+    dormant: int = 0
 
 
 class Policy(ABC):

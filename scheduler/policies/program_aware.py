@@ -1,7 +1,20 @@
-"""Sluice's program-aware policy (DESIGN.md §3).
+"""Sluice's program-aware policy: DESIGN.md §3 (v1) with the v2 rules of
+docs/design-notes.md "Policy v2".
 
-A tick runs, in order: release idle programs → resume → pause → soft band → retention.
+A tick runs, in order: release idle programs → dormancy → overdue calls → resume → pause →
+soft band → retention.
 
+- **Dormancy (v2)**: an ACTING program still in its tool call after the
+  ``dormant_quantile`` of recent tool-call durations (at least ``dormant_min_s``) is likely
+  in a long one (a test run, a user away): it stops counting in ``U`` (weight
+  ``dormant_token_weight``), so its room goes to work that is ready; its KV stays where it is
+  until the engine needs the room (LRU takes it before KV in use). Its next call goes home
+  as usual and counts again.
+- **Bounded waiting (v2)**: a call held ``max_wait_s`` goes ahead: its program is resumed on
+  its home, else the emptiest worker, room or not (counted in ``wait_limit_resumes``); the
+  pause pass then makes room. A program larger than any worker's resume limit gets a
+  reserved worker instead of waiting for that: nothing else is placed there, and it resumes
+  when it fits or, forced, once nothing there is reasoning.
 - **Pause**: on each worker with ``U ≥ pause_threshold``, pause ACTING programs smallest
   first until ``U ≤ pause_target``; if that is not enough, mark REASONING programs smallest
   first, counting marked tokens as already gone. Nothing in flight is aborted: a marked
@@ -21,7 +34,8 @@ A tick runs, in order: release idle programs → resume → pause → soft band 
 - **Soft band**: calls admitted to a worker with ``pause_target ≤ U < pause_threshold`` go
   ``|soft_band_penalty|`` seconds later in the engine's queue (the Dynamo port's soft demote).
 - **Retention**: a placed or resumed program gets ``Retain`` (refreshed before its TTL
-  runs out while it stays active); a paused one ``Demote``; a released one ``Release``.
+  runs out while it stays active, dormant or not); a paused one ``Demote``; a released one
+  ``Release``.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from scheduler.calls import CallRequest
 from scheduler.programs import Phase, Program
 from scheduler.policies.base import Call, Policy, hold
 from scheduler.resume_queue import IDLE, NEW, WAITING, ResumeQueue
+from scheduler.tool_times import ToolTimes
 
 
 class ProgramAwarePolicy(Policy):
@@ -53,6 +68,14 @@ class ProgramAwarePolicy(Policy):
         self._queue = ResumeQueue(config.resume_aging_halflife_s)
         # (deadline, session, parked_since): when a parked program must be force-resumed
         self._force_deadlines: list[tuple[float, str, float]] = []
+        # (deadline, request_id): when a held call reaches max_wait_s
+        self._wait_deadlines: list[tuple[float, str]] = []
+        # (due, session, acting_since): when an ACTING program would count as dormant
+        self._dormancy_checks: list[tuple[float, str, float]] = []
+        self._tool_times = ToolTimes(config.tool_time_window)
+        # worker -> the session it drains for: a program too large for any worker's resume
+        # limit, which no other program may be placed or resumed onto meanwhile
+        self._reserved: dict[str, str] = {}
 
     def reconfigure(self, config: PolicyConfig) -> None:
         halflife = self.config.resume_aging_halflife_s
@@ -93,10 +116,23 @@ class ProgramAwarePolicy(Policy):
         return self._admit(call, worker)
 
     def on_arrival(self, request: CallRequest, now: float) -> Decision:
+        program = self.programs.get(request.session_id)
+        if program is not None and program.acting_since is not None:
+            self._tool_times.observe(now - program.acting_since)
         decision = super().on_arrival(request, now)
         if not isinstance(decision, Admit):
             self._requeue(self.programs[request.session_id])
+            if self.config.max_wait_s is not None:
+                heapq.heappush(self._wait_deadlines, (now + self.config.max_wait_s, request.request_id))
         return decision
+
+    def tool_time_cutoff(self) -> float | None:
+        """Seconds in a tool call after which a program counts as dormant (None: not yet
+        known, or dormancy off). Adapts to the traffic: a quantile of recent tool calls."""
+        if self.config.dormant_quantile is None:
+            return None
+        quantile = self._tool_times.quantile(self.config.dormant_quantile)
+        return None if quantile is None else max(self.config.dormant_min_s, quantile)
 
     def after_call(self, program: Program, now: float) -> list[Action]:
         if program.session_id in self._parked:
@@ -104,6 +140,10 @@ class ProgramAwarePolicy(Policy):
         if program.in_flight:
             return []
         heapq.heappush(self._idle_deadlines, (now + self.config.idle_release_s, program.session_id))
+        cutoff = self.tool_time_cutoff()
+        if cutoff is not None and program.active and program.acting_since is not None:
+            heapq.heappush(self._dormancy_checks,
+                           (program.acting_since + cutoff, program.session_id, program.acting_since))
         if program.marked and program.active:
             return self._pause_program(program, now)
         return []
@@ -141,10 +181,48 @@ class ProgramAwarePolicy(Policy):
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         actions += self._release_idle(now)
+        self._mark_dormant(now)
+        actions += self._overdue(now)
         actions += self._resume(now)
         actions += self._pause(now)
         self._update_soft_band()
         actions += self._retention(now)
+        return actions
+
+    def _mark_dormant(self, now: float) -> None:
+        """ACTING programs past the tool-time cutoff stop counting in U. Their KV keeps its
+        retention: among retained KV the engine's LRU takes theirs first anyway, and
+        demoting it measured worse (docs/design-notes.md "Policy v2")."""
+        heap = self._dormancy_checks
+        while heap and heap[0][0] <= now:
+            _, session, since = heapq.heappop(heap)
+            program = self.programs.get(session)
+            if (program is None or not program.active or program.phase is not Phase.ACTING
+                    or program.acting_since != since or self.ledger.is_dormant(session)):
+                continue  # reasoning again, paused or gone since the check was set
+            self.ledger.set_dormant(program)
+            self.stats.dormant += 1
+
+    def _overdue(self, now: float) -> list[Action]:
+        """Bounded waiting: a call held ``max_wait_s`` goes ahead with its program, room or
+        not (home first: its KV may be there). Retried each tick while no worker accepts."""
+        actions: list[Action] = []
+        heap = self._wait_deadlines
+        retry: list[tuple[float, str]] = []
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            call = self.calls.get(entry[1])
+            if call is None or call.worker is not None:
+                continue  # admitted or gone
+            program = self.programs[call.session_id]
+            resumed = self._force_resume(program, now)
+            if resumed:
+                self.stats.wait_limit_resumes += 1
+                actions += resumed
+            else:
+                retry.append((now + self.config.tick_interval_s, entry[1]))
+        for entry in retry:
+            heapq.heappush(heap, entry)
         return actions
 
     def _release_idle(self, now: float) -> list[Action]:
@@ -167,6 +245,7 @@ class ProgramAwarePolicy(Policy):
 
     def _resume(self, now: float) -> list[Action]:
         actions = self._force_due(now)
+        actions += self._serve_reservation(now)
         queue = self._queue
         if not len(queue):
             return actions
@@ -189,6 +268,47 @@ class ProgramAwarePolicy(Policy):
             if smallest is None or smallest + buffer > headroom:
                 break
         return actions
+
+    def _serve_reservation(self, now: float) -> list[Action]:
+        """A waiting program larger than any worker's resume limit would only ever run by a
+        forced resume. Reserve a worker for it (its home, else the largest): nothing else is
+        placed there, and it resumes as soon as it fits under the resume limit or, forced,
+        once nothing there is reasoning any more (the worker has drained all it can)."""
+        for worker, session in list(self._reserved.items()):
+            program = self.programs.get(session)
+            load = self.ledger.worker(worker)
+            if program is None or program.active or not program.waiting or not load.accepts_programs:
+                del self._reserved[worker]
+                continue
+            demand = self._demand_when_resumed(program)
+            reasoning = any(self.programs[s].in_flight for s in load.programs)
+            fits = self._fits(worker, demand, self.config.pause_threshold - self.config.resume_hysteresis)
+            if fits or not reasoning:
+                del self._reserved[worker]
+                return self._resume_program(program, worker, now, forced=not fits)
+            return []
+        limit = self.config.pause_threshold - self.config.resume_hysteresis
+        largest = max((load.capacity_tokens for load in self.ledger.workers() if load.accepts_programs),
+                      default=0)
+        if not largest:
+            return []  # no worker takes programs: nothing to reserve
+        for session, demand in self._queue.in_order():
+            program = self.programs[session]
+            if not program.waiting:
+                break  # the waiting groups come first
+            if demand + self.config.buffer_per_program > limit * largest:
+                home = program.home_worker
+                if home is None or not self.ledger.worker(home).accepts_programs:
+                    home = max((load for load in self.ledger.workers() if load.accepts_programs),
+                               key=lambda load: (load.capacity_tokens, load.name)).name
+                self._reserved[home] = session
+                break
+        return []
+
+    def _open_to(self, worker: str, program: Program) -> bool:
+        """Whether ``program`` may be placed or resumed on ``worker`` (not reserved for another)."""
+        holder = self._reserved.get(worker)
+        return holder is None or holder == program.session_id
 
     def _force_due(self, now: float) -> list[Action]:
         """Resume every program parked for ``force_resume_after_s``, room or not."""
@@ -216,11 +336,11 @@ class ProgramAwarePolicy(Policy):
             if parent is not None:
                 preferred.append(parent.home_worker)
         for worker in preferred:
-            if worker is not None and self._fits(worker, weighted, limit):
+            if worker is not None and self._open_to(worker, program) and self._fits(worker, weighted, limit):
                 return worker
         best, best_u = None, -math.inf
         for load in self.ledger.workers():
-            if not load.accepts_programs:
+            if not load.accepts_programs or not self._open_to(load.name, program):
                 continue
             u = self.ledger.utilization_with(load.name, weighted)
             if u <= limit and u > best_u:
@@ -377,11 +497,11 @@ class ProgramAwarePolicy(Policy):
         if program.parent_session_id is not None:
             parent = self.programs.get(program.parent_session_id)
             if parent is not None and parent.home_worker is not None:
-                if self._fits(parent.home_worker, demand, threshold):
+                if self._open_to(parent.home_worker, program) and self._fits(parent.home_worker, demand, threshold):
                     return parent.home_worker
         best, best_score = None, -math.inf
         for load in self.ledger.workers():
-            if not load.accepts_programs:
+            if not load.accepts_programs or not self._open_to(load.name, program):
                 continue
             u_after = self.ledger.utilization_with(load.name, demand)
             if u_after > threshold:

@@ -50,6 +50,9 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
                 "resume_priority_boost_s": 0.0,
                 "tick_interval_s": config.baselines.thunderagent_tick_s,
                 "retention": config.retention.model_copy(update={"enabled": False}),
+                # Sluice v2's additions, which upstream does not have
+                "max_wait_s": None,
+                "dormant_quantile": None,
             }
         )
         super().__init__(faithful)

@@ -156,8 +156,8 @@ def test_replay_mooncake_trace(runner, tmp_path):
                     "--drain", 60, "--json", out)
     assert result.exit_code == 0, result.output
     assert "6 calls in 2 sessions" in result.stderr and "block size 512" in result.stderr
-    assert_table(result.stdout, ["program_aware", "kv_aware"])
-    doc = assert_results(out, ["program_aware", "kv_aware"])
+    assert_table(result.stdout, ["program_aware", "kv_aware", "ceiling"])
+    doc = assert_results(out, ["program_aware", "kv_aware", "ceiling"])
     config = doc["config"]
     assert (config["format"], config["trace"], config["block_size"], config["workers"]) == \
         ("mooncake", str(trace), 512, 2)
@@ -246,9 +246,10 @@ def test_replay_kvtester_conversation(runner, tmp_path):
                     "--policy", "program_aware,least_loaded", "--drain", 60, "--json", out)
     assert result.exit_code == 0, result.output
     assert "5 calls in 2 sessions" in result.stderr and "block size 64" in result.stderr
-    assert_table(result.stdout, ["program_aware", "least_loaded"])
-    doc = assert_results(out, ["program_aware", "least_loaded"])
+    assert_table(result.stdout, ["program_aware", "least_loaded", "ceiling"])
+    doc = assert_results(out, ["program_aware", "least_loaded", "ceiling"])
     assert doc["config"]["format"] == "kvtester" and doc["config"]["block_size"] == 64
+    assert doc["results"][-1]["of_ceiling"] == 1.0
 
 
 def test_replay_kvtester_error_names_the_json_path(runner, tmp_path):
@@ -312,7 +313,7 @@ def test_replay_concurrency_keeps_n_conversations_in_flight_and_starts_the_next_
     trace = write_conversations(tmp_path / "convs", docs)
     out = tmp_path / "closed.json"
     result = invoke(runner, "replay", "--format", "kvtester", "--trace", trace, "--workers", 1,
-                    "--policy", "least_loaded", "--concurrency", 2, "--json", out)
+                    "--policy", "least_loaded", "--concurrency", 2, "--no-ceiling", "--json", out)
     assert result.exit_code == 0, result.output
     assert "6 conversations, 2 in flight at a time" in result.stderr
     assert_results(out, ["least_loaded"])

@@ -77,6 +77,9 @@ configs = st.builds(
     buffer_per_program=st.sampled_from([0, 100]),
     growth_reserve_tokens=st.sampled_from([0, 256]),
     resume_aging_halflife_s=st.sampled_from([5.0, 60.0]),
+    max_wait_s=st.sampled_from([None, 15.0, 90.0]),
+    dormant_quantile=st.sampled_from([None, 0.5, 0.9]),
+    dormant_min_s=st.sampled_from([0.0, 5.0]),
     retention=st.builds(dict, enabled=st.booleans(), ttl_s=st.sampled_from([10.0, 300.0])),
 ).flatmap(lambda base: st.sampled_from([
     {},  # the published defaults: 0.95 / 0.80 / hysteresis 0.10
@@ -380,14 +383,16 @@ class Run:
             assert load.programs == {s: p.demand_tokens() for s, p in mine.items()}
             weighted = sum(ledger.weight(p) * p.demand_tokens() for p in mine.values())
             assert math.isclose(load.weighted_demand, weighted, rel_tol=1e-9, abs_tol=1e-6)
+            # a dormant program's KV is not counted, nor its share of common prefixes
+            sharing = {s: p for s, p in mine.items() if not ledger.is_dormant(s)}
             kv = policy.index.worker(load.name)
-            assert set(kv.counted) == set(mine)
-            shared_kv = sum(block.tokens * max(0, sum(1 for s in block.sessions if s in mine) - 1)
+            assert set(kv.counted) == set(sharing)
+            shared_kv = sum(block.tokens * max(0, sum(1 for s in block.sessions if s in sharing) - 1)
                             for block in kv.blocks.values())
             assert kv.shared_tokens == shared_kv
             counts: Counter[str] = Counter()
             seg_tokens: dict[str, int] = {}
-            for p in mine.values():
+            for p in sharing.values():
                 if p.chain is not None and p.chain_tokens is not None:
                     for cid, tokens in _segments(p.chain, p.chain_tokens):
                         counts[cid] += 1
@@ -417,6 +422,12 @@ class Run:
                     assert now - self.paused_at[sid] < force, f"{sid} paused past force_resume_after_s"
             for rid, (sid, arrival) in self.held.items():
                 assert now - arrival < force, f"{rid} of {sid} held past force_resume_after_s"
+        max_wait = policy.config.max_wait_s
+        if max_wait is not None and any(load.accepts_programs for load in policy.ledger.workers()):
+            # bounded waiting: after a tick no call has been held max_wait_s while a worker
+            # could take its program
+            for rid, (sid, arrival) in self.held.items():
+                assert now - arrival < max_wait, f"{rid} of {sid} held past max_wait_s"
         idle = self.cfg.idle_release_s
         for sid, program in policy.programs.items():
             if not program.in_flight and not program.waiting:

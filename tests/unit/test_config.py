@@ -32,13 +32,20 @@ DESIGN_DEFAULTS = {
     "idle_release_s": 600,
     "tick_interval_s": 1.0,
 }
+# Policy v2 departs from DESIGN.md §3 on these (docs/design-notes.md "Policy v2": the v1
+# values held ~15% of the pool back and lost to plain balancing below real thrash).
+V2_DEPARTURES = {
+    "pause_threshold": 1.0,
+    "pause_target": 0.98,
+    "resume_hysteresis": 0.03,
+}
 
 
 # -- defaults ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key, value", sorted(DESIGN_DEFAULTS.items()))
-def test_program_aware_defaults_equal_design_section_3(key, value):
+@pytest.mark.parametrize("key, value", sorted({**DESIGN_DEFAULTS, **V2_DEPARTURES}.items()))
+def test_program_aware_defaults_equal_design_section_3_except_the_v2_departures(key, value):
     assert getattr(ProgramAwareConfig(), key) == value
     assert getattr(PolicyConfig(), key) == value
 
@@ -62,7 +69,8 @@ def test_design_table_and_the_defaults_list_the_same_keys_and_values():
     assert table == {k: float(v) for k, v in DESIGN_DEFAULTS.items()}
     defaults = ProgramAwareConfig()
     for key, value in table.items():
-        assert float(getattr(defaults, key)) == value, key
+        expected = V2_DEPARTURES.get(key, value)
+        assert float(getattr(defaults, key)) == expected, key
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():
@@ -123,7 +131,7 @@ def test_pause_target_equal_to_pause_threshold_is_allowed():
 
 def test_default_pause_threshold_still_checks_a_lone_pause_target():
     with pytest.raises(ConfigError, match="pause_target.*pause_threshold"):
-        parse_policy_yaml("policy: {pause_target: 0.96}")
+        parse_policy_yaml("policy: {pause_target: 1.05}")
 
 
 def test_resume_hysteresis_above_pause_threshold_is_rejected_naming_both():

@@ -2,7 +2,9 @@
 
 Most tests run with ``buffer_per_program=0`` and ``growth_reserve_tokens=0`` on workers of
 1,000 tokens, so a program of ``n`` tokens moves ``U`` by exactly ``n/1000`` and every
-threshold crossing can be read off the numbers in the test.
+threshold crossing can be read off the numbers in the test. They pin the v1 thresholds
+(0.95 / 0.80 / 0.10) and switch the v2 rules (``max_wait_s``, dormancy) off, so each rule is
+seen alone; the v2 rules have their own tests at the end, which switch them on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ CAP = 1000
 
 
 def make(workers: dict[str, int | None] | None = None, **overrides) -> ProgramAwarePolicy:
-    settings = {"buffer_per_program": 0, "growth_reserve_tokens": 0}
+    settings = {"buffer_per_program": 0, "growth_reserve_tokens": 0, "pause_threshold": 0.95,
+                "pause_target": 0.80, "resume_hysteresis": 0.10, "max_wait_s": None,
+                "dormant_quantile": None}
     settings.update(overrides)
     policy = make_policy(PolicyConfig(name="program_aware", **settings))
     assert isinstance(policy, ProgramAwarePolicy)
@@ -738,3 +742,115 @@ def test_reconfigured_aging_half_life_reorders_the_resume_queue() -> None:
     assert policy._queue is not before
     assert policy.config.resume_aging_halflife_s == 5.0
     assert isinstance(policy.config, PolicyConfig)
+
+
+# -- v2: bounded waiting, dormancy, reservations ---------------------------------------------
+
+
+def test_a_call_held_max_wait_s_goes_ahead_on_its_home_without_room() -> None:
+    d = Driver(make(max_wait_s=30.0, resume_priority_boost_s=0.0))
+    _full_w0_with_paused(d, "p", 160, now=10.0)
+    assert isinstance(d.arrive("p", 160, now=20.0), Hold)
+    assert of(d.p.tick(49.9), Resume) == []
+    actions = d.p.tick(50.0)
+    assert of(actions, Resume) == [Resume("p", "w0", True)]
+    assert [a.request_id for a in of(actions, Admit)] == ["p#2"]
+    assert d.p.stats.wait_limit_resumes == 1 and d.p.stats.forced_resumes == 1
+
+
+def test_a_new_program_held_max_wait_s_goes_to_the_emptiest_worker() -> None:
+    d = Driver(make({"w0": CAP, "w1": CAP}, max_wait_s=30.0))
+    d.reasoning("a", 900)
+    d.reasoning("b", 850)
+    assert isinstance(d.arrive("n", 400, now=1.0), Hold)
+    actions = d.p.tick(31.0)
+    [admit] = of(actions, Admit)
+    assert (admit.request_id, admit.worker) == ("n#1", "w1")  # 850 < 900 tokens there
+
+
+def test_max_wait_s_keeps_trying_while_no_worker_takes_programs() -> None:
+    d = Driver(make({"w0": CAP, "w1": CAP}, max_wait_s=30.0))
+    d.reasoning("a", 900)
+    d.reasoning("b", 900)
+    assert isinstance(d.arrive("n", 400, now=1.0), Hold)
+    d.p.set_worker_health("w0", False, 2.0)
+    d.p.set_worker_health("w1", False, 2.0)
+    assert of(d.p.tick(31.0), Admit) == []
+    d.p.set_worker_health("w1", True, 32.0)
+    assert [a.request_id for a in of(d.p.tick(32.0), Admit)] == ["n#1"]
+
+
+def _learn_tool_times(d: Driver, seconds: float, count: int = 20, worker_sid: str = "warm") -> float:
+    """Feed ``count`` tool calls of ``seconds`` each through a tiny program; returns the time."""
+    now = 0.0
+    decision = d.arrive(worker_sid, 1, now)
+    for n in range(count):
+        d.finish(decision.request_id, 1, now)
+        now += seconds
+        decision = d.arrive(worker_sid, 1, now, final=n == count - 1)
+    d.finish(decision.request_id, 1, now)  # its last call: the program is released
+    return now
+
+
+def test_tool_time_cutoff_is_a_quantile_of_observed_tool_calls_with_a_floor() -> None:
+    d = Driver(make(dormant_quantile=0.9, dormant_min_s=0.0))
+    assert d.p.tool_time_cutoff() is None  # nothing observed yet
+    _learn_tool_times(d, 3.0)
+    assert d.p.tool_time_cutoff() == 3.0
+    floored = Driver(make(dormant_quantile=0.9, dormant_min_s=10.0))
+    _learn_tool_times(floored, 3.0)
+    assert floored.p.tool_time_cutoff() == 10.0
+
+
+def test_a_program_long_in_its_tool_call_stops_counting_but_keeps_its_kv_retained() -> None:
+    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0))
+    now = _learn_tool_times(d, 2.0)
+    d.acting("a", 600, now)
+    before = d.u()
+    d.p.tick(now + 1.9)
+    assert not d.p.ledger.is_dormant("a")
+    actions = d.p.tick(now + 2.0)
+    assert of(actions, Demote) == []  # measured: demoting dormant KV costs hit rate
+    assert d.p.ledger.is_dormant("a")
+    assert d.u() == pytest.approx(before - 0.6)
+    assert d.p.stats.dormant == 1
+    # its next call goes home and it counts again
+    decision = d.arrive("a", 650, now + 30.0)
+    assert isinstance(decision, Admit) and decision.worker == "w0"
+    assert not d.p.ledger.is_dormant("a")
+    assert d.u() == pytest.approx(before - 0.6 + 0.65)
+
+
+def test_a_dormant_program_returning_to_a_full_worker_goes_home_and_the_pause_pass_makes_room() -> None:
+    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0))
+    now = _learn_tool_times(d, 2.0)
+    d.acting("a", 600, now)
+    d.p.tick(now + 2.0)
+    d.acting("b", 350, now + 29.0)  # took part of the room a's KV held
+    decision = d.arrive("a", 650, now + 30.0)
+    assert isinstance(decision, Admit) and decision.worker == "w0"
+    assert d.u() > d.p.config.pause_threshold
+    actions = d.p.tick(now + 30.0)
+    assert sessions(actions, Pause) == ["b"]  # the ACTING program goes; a is reasoning
+
+
+def test_a_program_no_worker_can_resume_gets_a_reserved_worker_nothing_else_is_placed_on() -> None:
+    d = Driver(make({"w0": CAP, "w1": CAP}))
+    d.p.set_worker_health("w1", False, 0.0)
+    d.acting("big", 900)  # more than the resume limit (0.85) of any worker
+    d.reasoning("x", 50)
+    d.p._pause_program(d.p.programs["big"], 1.0)
+    d.acting("small", 100, now=1.0)
+    d.p._pause_program(d.p.programs["small"], 1.0)
+    for sid, tokens in (("big", 900), ("small", 100)):
+        assert isinstance(d.arrive(sid, tokens, now=2.0), Hold)
+    d.p.set_worker_health("w1", True, 2.0)
+    actions = d.p.tick(3.0)
+    assert d.p._reserved == {"w0": "big"}
+    # the small program resumes on the other worker although its home has room
+    assert of(actions, Resume) == [Resume("small", "w1", False)]
+    # once nothing on the reserved worker is reasoning, the big program runs there
+    d.finish("x#2", 50, 5.0)
+    actions = d.p.tick(5.0)
+    assert of(actions, Resume) == [Resume("big", "w0", True)]
+    assert d.p._reserved == {}

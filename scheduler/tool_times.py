@@ -1,0 +1,46 @@
+"""Recent tool-call durations, observed by the core, and their quantiles.
+
+A tool call's duration is what the core sees between a program's response (its last call in
+flight ended) and its next request. The policy reads a high quantile of the recent ones as
+"a program still in its tool call after this long is in one of the long ones" (a test run,
+not a file view), whose KV can go first. A sliding window, so the estimate follows the
+traffic; no clock, the shells' ``now`` only.
+
+Invariant: ``_sorted`` holds exactly the values of ``_recent``, in ascending order.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import deque
+
+
+class ToolTimes:
+    def __init__(self, window: int, min_samples: int = 20) -> None:
+        if window < 1 or min_samples < 1:
+            raise ValueError(f"window and min_samples must be ≥ 1, got {window}, {min_samples}")
+        self._window = window
+        self._min_samples = min_samples
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def observe(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a tool call cannot take {seconds} s")
+        self._recent.append(seconds)
+        insort(self._sorted, seconds)
+        if len(self._recent) > self._window:
+            oldest = self._recent.popleft()
+            del self._sorted[bisect_left(self._sorted, oldest)]
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (nearest rank) of the window; None until ``min_samples`` are in."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {q}")
+        n = len(self._sorted)
+        if n < self._min_samples:
+            return None
+        return self._sorted[min(n - 1, int(q * n))]
