@@ -43,6 +43,22 @@ def _check_preset(name: str) -> None:
         raise _fail(f"unknown preset {name!r}; choose from {', '.join(presets())}")
 
 
+def _policy_config(path: Path | None):
+    """The `policy:` section of ``path`` (None: the defaults); errors name the file and key."""
+    from scheduler.config import parse_policy_yaml
+
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise _fail(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        return parse_policy_yaml(text, str(path))
+    except ConfigError as err:
+        raise _fail(str(err)) from None
+
+
 def _command_line() -> str:
     return "sluice " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
 
@@ -51,7 +67,8 @@ def sim(
     workload: str = typer.Option("swebench", "--workload", help=f"One of: {', '.join(WORKLOADS)}."),
     concurrency: int = typer.Option(256, "--concurrency", min=1,
                                     help="Programs alive at once (swebench: closed loop; "
-                                         "rl_rollout: programs per batch)."),
+                                         "rl_rollout, rl_swe: programs per GRPO batch, 8 "
+                                         "samples per task; rl_swe at 512 is ~2x 8 H100s' KV)."),
     workers: int = typer.Option(8, "--workers", min=1, help="Simulated vLLM workers."),
     preset: str = typer.Option(DEFAULT_PRESET, "--preset",
                                help="Hardware/model step-time preset (see `sluice presets`)."),
@@ -66,16 +83,21 @@ def sim(
     ceiling: bool = typer.Option(True, "--ceiling/--no-ceiling",
                                  help="Add a `ceiling` row (the same programs with unlimited KV) "
                                       "and each policy's share of it (`of ceiling`)."),
+    config_path: Optional[Path] = typer.Option(
+        None, "--config", dir_okay=False, metavar="PATH",
+        help="A Sluice YAML file whose `policy:` section sets the thresholds (as `sluice serve` "
+             "reads it); other sections are ignored."),
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
     _check_preset(preset)
+    policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
         raise _fail(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
         preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
-        ceiling=ceiling,
+        ceiling=ceiling, policy_config=policy_config,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
@@ -121,6 +143,9 @@ def replay(
     ceiling: bool = typer.Option(True, "--ceiling/--no-ceiling",
                                  help="Add a `ceiling` row (the same programs with unlimited KV) "
                                       "and each policy's share of it (`of ceiling`)."),
+    config_path: Optional[Path] = typer.Option(
+        None, "--config", dir_okay=False, metavar="PATH",
+        help="A Sluice YAML file whose `policy:` section sets the thresholds."),
 ) -> None:
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math
@@ -130,6 +155,7 @@ def replay(
     from sim.traces import TraceError
 
     names = _policies(policy)
+    policy_config = _policy_config(config_path)
     _check_preset(preset)
     if time_scale <= 0:
         raise _fail(f"--time-scale must be > 0, got {time_scale}")
@@ -161,7 +187,7 @@ def replay(
 
     results = run_policies(
         names, feed_for, workers=workers, preset=preset, duration_s=cap, block_size=block_size,
-        stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling,
+        stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling, policy_config=policy_config,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:

@@ -512,3 +512,27 @@ def test_simulator_commands_are_registered_on_the_main_app(runner):
     assert result.exit_code == 0
     for command in ("sim", "replay", "sweep", "presets", "check-config"):
         assert command in result.stdout
+
+
+def test_sim_config_file_sets_the_policy_thresholds(runner, tmp_path):
+    config = tmp_path / "sluice.yaml"
+    config.write_text("workers: []\npolicy:\n  pause_threshold: 0.05\n  pause_target: 0.01\n")
+    args = ["sim", "--concurrency", 8, "--workers", 1, "--duration", 60, "--policy", "program_aware",
+            "--no-ceiling"]
+    defaults = json.loads(_sim_json(runner, tmp_path / "a.json", *args))["results"][0]
+    tight = json.loads(_sim_json(runner, tmp_path / "b.json", *args, "--config", config))["results"][0]
+    assert defaults["pauses"] == 0 and tight["pauses"] > 0
+
+
+def test_sim_config_file_with_a_bad_key_exits_2_naming_it(runner, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("policy:\n  max_wait_s: -3\n")
+    result = invoke(runner, "sim", "--concurrency", 2, "--workers", 1, "--duration", 10,
+                    "--config", config)
+    assert_error(result, f"{config}: policy.max_wait_s")
+
+
+def _sim_json(runner, out, *args) -> str:
+    result = invoke(runner, *args, "--json", out)
+    assert result.exit_code == 0, result.output
+    return out.read_text()
