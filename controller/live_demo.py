@@ -49,6 +49,10 @@ class DemoSetup:
     # The demo's calls write ~64 tokens; the default reserve (512, sized for real agent
     # turns) would hold back a quarter of these small pools for calls in flight.
     growth_reserve_tokens: int = 128
+    # The demo's contexts (~1–2k tokens) are ~10× shorter than an agent's (~20k) on a GPU;
+    # its engines charge prompt tokens 10× to make a re-prefill cost what it costs there
+    # (sim/step_time.py: ~0.7 s for 20k tokens on an H100 against ~1.5 s of tool time).
+    prefill_scale: float = 10.0
 
     @property
     def capacity_tokens(self) -> int:
@@ -105,6 +109,7 @@ class _Fleet:
                 "simworker", "--port", str(port), "--preset", setup.preset,
                 "--blocks", str(setup.blocks), "--block-size", str(setup.block_size),
                 "--kv-events", f"tcp://*:{events}", "--time-scale", str(setup.time_scale),
+                "--prefill-scale", str(setup.prefill_scale),
                 "--directives", f"tcp://*:{directives}",
                 "--name", f"w{i}",
             ])
@@ -266,7 +271,8 @@ def run_demo(policies: tuple[str, ...], setup: DemoSetup, emit: Callable[[str], 
     if json_path is not None:
         payload = {"results": rows, "config": {
             "workers": setup.workers, "blocks": setup.blocks, "block_size": setup.block_size,
-            "preset": setup.preset, "time_scale": setup.time_scale, "concurrency": setup.concurrency,
+            "preset": setup.preset, "time_scale": setup.time_scale,
+            "prefill_scale": setup.prefill_scale, "concurrency": setup.concurrency,
             "duration_s": setup.duration_s, "seed": setup.seed}}
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
         emit(f"\nwrote {json_path}")

@@ -44,6 +44,7 @@ output (the reply is always text).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from array import array
 import time
@@ -87,6 +88,10 @@ class SimWorkerConfig:
     directives: str | None = None          # ZMQ PULL for retention directives; None: none
     topic: str | None = None               # None: "kv@<name>"
     time_scale: float = 1.0
+    # Multiplies the preset's per-token prompt cost. A small demo pool holds contexts ~10×
+    # shorter than a real agent's; scaling prefill keeps a re-prefill as costly, relative to
+    # a turn, as it is for those on a GPU.
+    prefill_scale: float = 1.0
     default_max_tokens: int = 256
     max_run_steps: int = 16
     max_run_wall_s: float = 0.05
@@ -96,6 +101,8 @@ class SimWorkerConfig:
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if not self.prefill_scale > 0:
+            raise ValueError(f"prefill_scale must be > 0, got {self.prefill_scale}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be ≥ 2 (block 0 is the null block), got {self.num_blocks}")
         if self.block_size < 1:
@@ -277,6 +284,8 @@ class SimWorker:
     def __init__(self, config: SimWorkerConfig) -> None:
         self.config = config
         model = load_preset(config.preset)
+        if config.prefill_scale != 1.0:
+            model = dataclasses.replace(model, prefill_token_s=model.prefill_token_s * config.prefill_scale)
         self.engine = Engine(config.name, model, num_blocks=config.num_blocks,
                              block_size=config.block_size)
         self.tokenizer = PseudoTokenizer()

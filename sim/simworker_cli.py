@@ -59,6 +59,10 @@ def simworker(
              "sluice.yaml), as the engine plugin's SLUICE_DIRECTIVE_ENDPOINT; e.g. tcp://*:5590."),
     time_scale: float = typer.Option(1.0, "--time-scale",
                                      help="Wall seconds per model second (0.1 runs 10x faster)."),
+    prefill_scale: float = typer.Option(1.0, "--prefill-scale",
+                                        help="Multiply the preset's per-token prompt cost (a small "
+                                             "demo pool's short contexts re-prefill as dearly as "
+                                             "long ones on a GPU)."),
     topic: Optional[str] = typer.Option(None, "--topic",
                                         help='Topic frame of KV events (default "kv@<name>").'),
     name: str = typer.Option("w0", "--name", help="Worker name (engine name, default topic)."),
@@ -69,6 +73,8 @@ def simworker(
         raise _fail(f"unknown preset {preset!r}; choose from {', '.join(presets())}")
     if not time_scale > 0:
         raise _fail(f"--time-scale must be > 0, got {time_scale}")
+    if not prefill_scale > 0:
+        raise _fail(f"--prefill-scale must be > 0, got {prefill_scale}")
     if not kv_events:
         raise _fail("--kv-events needs an endpoint such as tcp://*:5557")
 
@@ -79,7 +85,7 @@ def simworker(
     config = SimWorkerConfig(name=name, model=model, preset=preset, num_blocks=blocks,
                              block_size=block_size, kv_events=kv_events, replay=replay or None,
                              directives=directives or None,
-                             topic=topic, time_scale=time_scale)
+                             topic=topic, time_scale=time_scale, prefill_scale=prefill_scale)
     _configure_logging()
     typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {preset}, "
                f"KV events {kv_events} topic {config.kv_topic!r}"
