@@ -29,6 +29,10 @@ NonNegative = Annotated[float, Field(ge=0.0)]
 Positive = Annotated[float, Field(gt=0.0)]
 
 
+# How far below pause_threshold a pause pass stops when pause_target is not given.
+PAUSE_TARGET_GAP = 0.02
+
+
 class _Strict(BaseModel):
     # strict: a YAML `true` or "100" is not silently taken for a number
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -48,9 +52,11 @@ class ProgramAwareConfig(_Strict):
     """Thresholds of the program-aware policy; see DESIGN.md §3 for each key's meaning."""
 
     # v2 defaults (docs/design-notes.md "Policy v2"): pause only past the whole pool; the
-    # v1 values (0.95 / 0.80 / 0.10, the Dynamo port's) held ~15% of the pool back.
+    # v1 values (0.95 / 0.80 / 0.10, the Dynamo port's) held ~15% of the pool back. Left
+    # out, pause_target is PAUSE_TARGET_GAP below pause_threshold (so a v1 file that sets
+    # only the threshold stays valid).
     pause_threshold: Fraction = 1.0
-    pause_target: Fraction = 0.98
+    pause_target: Fraction = 1.0 - PAUSE_TARGET_GAP
     soft_band_penalty: float = -2.0
     resume_hysteresis: Annotated[float, Field(ge=0.0, le=1.0)] = 0.03
     buffer_per_program: Annotated[int, Field(ge=0)] = 100
@@ -76,6 +82,15 @@ class ProgramAwareConfig(_Strict):
     dormant_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     tool_time_window: Annotated[int, Field(ge=1)] = 1000
     retention: RetentionConfig = RetentionConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pause_target_follows_the_threshold(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "pause_target" not in data and "pause_threshold" in data:
+            threshold = data["pause_threshold"]
+            if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+                data = {**data, "pause_target": max(0.0, round(threshold - PAUSE_TARGET_GAP, 6))}
+        return data
 
     @model_validator(mode="after")
     def _thresholds_are_ordered(self) -> ProgramAwareConfig:

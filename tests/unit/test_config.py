@@ -238,3 +238,10 @@ def test_unregistered_policy_name_is_rejected_naming_the_key(name):
     msg = str(info.value)
     assert "policy.name" in msg
     assert "program_aware" in msg  # the message lists what is allowed
+
+
+def test_a_lone_pause_threshold_brings_pause_target_just_below_it():
+    # a v1 file that set only the threshold stays valid under the v2 defaults
+    assert parse_policy_yaml("policy: {pause_threshold: 0.95}").pause_target == pytest.approx(0.93)
+    assert parse_policy_yaml("policy: {pause_threshold: 0.01, resume_hysteresis: 0}").pause_target == 0.0
+    assert parse_policy_yaml("policy: {pause_threshold: 0.9, pause_target: 0.5}").pause_target == 0.5
