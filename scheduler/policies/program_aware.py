@@ -117,7 +117,8 @@ class ProgramAwarePolicy(Policy):
 
     def on_arrival(self, request: CallRequest, now: float) -> Decision:
         program = self.programs.get(request.session_id)
-        if program is not None and program.acting_since is not None:
+        if (self.config.dormant_quantile is not None and program is not None
+                and program.acting_since is not None):
             self._tool_times.observe(now - program.acting_since)
         decision = super().on_arrival(request, now)
         if not isinstance(decision, Admit):
@@ -273,7 +274,8 @@ class ProgramAwarePolicy(Policy):
         """A waiting program larger than any worker's resume limit would only ever run by a
         forced resume. Reserve a worker for it (its home, else the largest): nothing else is
         placed there, and it resumes as soon as it fits under the resume limit or, forced,
-        once nothing there is reasoning any more (the worker has drained all it can)."""
+        once nothing there is reasoning any more (the worker has drained all it can). One
+        reservation at a time: the first such program in the resume order."""
         for worker, session in list(self._reserved.items()):
             program = self.programs.get(session)
             load = self.ledger.worker(worker)
