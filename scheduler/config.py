@@ -73,7 +73,7 @@ class ProgramAwareConfig(_Strict):
     resume_aging_halflife_s: Positive = 60.0
     # Bounded waiting: a call held this long goes ahead (its program is resumed on its home,
     # else the emptiest worker, room or not). None: only force_resume_after_s bounds it.
-    max_wait_s: Positive | None = 90.0
+    max_wait_s: Positive | None = 60.0
     # Dormancy: an ACTING program still in its tool call after the ``dormant_quantile`` of
     # recent tool-call durations (and at least ``dormant_min_s``) is likely in a long one:
     # its KV counts in U at ``dormant_token_weight`` until its next call. None: off.
