@@ -49,10 +49,11 @@ class DemoSetup:
     # The demo's calls write ~64 tokens; the default reserve (512, sized for real agent
     # turns) would hold back a quarter of these small pools for calls in flight.
     growth_reserve_tokens: int = 128
-    # The demo's contexts (~1–2k tokens) are ~10× shorter than an agent's (~20k) on a GPU;
-    # its engines charge prompt tokens 10× to make a re-prefill cost what it costs there
-    # (sim/step_time.py: ~0.7 s for 20k tokens on an H100 against ~1.5 s of tool time).
-    prefill_scale: float = 10.0
+    # The demo's prompts average 1.3k tokens, the SWE-bench workload's 22k (17.6×), and its
+    # tool calls are a third longer (median 2.0 s vs 1.5 s); charging prompt tokens 20× keeps
+    # a re-prefill's cost against a tool call where it is on an H100 (sim/step_time.py:
+    # ~0.8 s for 22k tokens), so the demo shows what thrash costs on a GPU.
+    prefill_scale: float = 20.0
 
     @property
     def capacity_tokens(self) -> int:

@@ -88,7 +88,7 @@ class SimWorkerConfig:
     directives: str | None = None          # ZMQ PULL for retention directives; None: none
     topic: str | None = None               # None: "kv@<name>"
     time_scale: float = 1.0
-    # Multiplies the preset's per-token prompt cost. A small demo pool holds contexts ~10×
+    # Multiplies the preset's per-token prompt cost. A small demo pool holds contexts ~18×
     # shorter than a real agent's; scaling prefill keeps a re-prefill as costly, relative to
     # a turn, as it is for those on a GPU.
     prefill_scale: float = 1.0
