@@ -33,6 +33,9 @@ from scheduler.policies.base import Policy, UnknownCall
 Directive = Retain | Demote | Release
 
 
+# A learnt policy setting is logged again once it moves by more than this share.
+ADAPTIVE_LOG_CHANGE = 0.1
+
 class DirectiveSink:
     """Where retention directives go. The default only logs them; the directive sender
     (KvHint envelopes to each worker's plugin socket) replaces it. ``send`` must not block:
@@ -84,6 +87,7 @@ class Admission:
         self._lock = anyio.Lock()
         self._waiters: dict[str, _Waiter] = {}
         self._tick_after = getattr(policy, "ticks_after_completion", True)
+        self._adaptive_logged: dict[str, float] = {}
 
     @property
     def held(self) -> int:
@@ -168,6 +172,17 @@ class Admission:
         async with self._lock:
             now = self._clock()
             self._carry_out(self.policy.tick(now), now)
+            self._log_adaptive_changes()
+
+    def _log_adaptive_changes(self) -> None:
+        """Log a setting the policy learns online when it first appears or moves by more
+        than ADAPTIVE_LOG_CHANGE of its last logged value (not on every tick)."""
+        for setting, value in self.policy.adaptive_settings().items():
+            last = self._adaptive_logged.get(setting)
+            if last is None or abs(value - last) > ADAPTIVE_LOG_CHANGE * abs(last):
+                self._log.info("policy setting adapted", policy=self.policy.name,
+                               setting=setting, value=round(value, 3), previous=last)
+                self._adaptive_logged[setting] = value
 
     async def run_ticks(self) -> None:
         """Tick every ``policy.tick_interval_s`` until cancelled; a failing tick is logged

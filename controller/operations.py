@@ -75,8 +75,19 @@ class _PolicyCollector(Collector):
             ("sluice_holds", stats.held, "Calls held on arrival."),
             ("sluice_admissions", stats.admitted, "Calls dispatched to a worker."),
             ("sluice_releases", stats.releases, "Programs released (final, idle or operator)."),
+            ("sluice_wait_limit_resumes", stats.wait_limit_resumes,
+             "Programs resumed because a call of theirs was held max_wait_s."),
+            ("sluice_dormant", stats.dormant,
+             "Programs found long in a tool call (their KV stopped counting in U)."),
         ):
             yield CounterMetricFamily(name, text, value=value)
+        adaptive = GaugeMetricFamily(
+            "sluice_policy_adaptive",
+            "Settings the policy learns online, by name (dormancy_cutoff_s: seconds in a tool "
+            "call after which a program counts as dormant).", labels=["setting"])
+        for setting, value in sorted(policy.adaptive_settings().items()):
+            adaptive.add_metric([setting], value)
+        yield adaptive
         yield GaugeMetricFamily("sluice_calls_held", "Calls waiting in the gateway now.",
                                 value=self._admission.held)
         util = GaugeMetricFamily("sluice_worker_utilization",

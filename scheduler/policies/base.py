@@ -240,6 +240,11 @@ class Policy(ABC):
             resident = max(resident, kv.continuation_tokens(reversed(request.chain.ids)))
         return min(resident, request.prompt_tokens)
 
+    def adaptive_settings(self) -> dict[str, float]:
+        """Values the policy learns online from what it observes (name → current value), for
+        the shells to export; empty for a policy that learns nothing."""
+        return {}
+
     def healthy_workers(self) -> list[str]:
         return [load.name for load in self.ledger.workers() if load.healthy]
 

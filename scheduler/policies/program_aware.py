@@ -127,6 +127,10 @@ class ProgramAwarePolicy(Policy):
                 heapq.heappush(self._wait_deadlines, (now + self.config.max_wait_s, request.request_id))
         return decision
 
+    def adaptive_settings(self) -> dict[str, float]:
+        cutoff = self.tool_time_cutoff()
+        return {} if cutoff is None else {"dormancy_cutoff_s": cutoff}
+
     def tool_time_cutoff(self) -> float | None:
         """Seconds in a tool call after which a program counts as dormant (None: not yet
         known, or dormancy off). Adapts to the traffic: a quantile of recent tool calls."""

@@ -253,7 +253,8 @@ def test_health_and_metrics(fleet):
     text = gw.client.get("/metrics").text
     for name in ("sluice_programs{lifecycle=\"active\",phase=\"acting\"}", "sluice_pauses_total",
                  "sluice_resumes_total", "sluice_marks_total", "sluice_forced_resumes_total",
-                 "sluice_holds_total", "sluice_worker_utilization{worker=\"w0\"}",
+                 "sluice_holds_total", "sluice_wait_limit_resumes_total", "sluice_dormant_total",
+                 "sluice_policy_adaptive", "sluice_worker_utilization{worker=\"w0\"}",
                  "sluice_hold_seconds_bucket", "sluice_upstream_latency_seconds_bucket",
                  'sluice_requests_total{route="/v1/chat/completions",status="200"}'):
         assert name in text, name

@@ -854,3 +854,10 @@ def test_a_program_no_worker_can_resume_gets_a_reserved_worker_nothing_else_is_p
     actions = d.p.tick(5.0)
     assert of(actions, Resume) == [Resume("big", "w0", True)]
     assert d.p._reserved == {}
+
+
+def test_the_learnt_dormancy_cutoff_is_reported_as_an_adaptive_setting() -> None:
+    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0))
+    assert d.p.adaptive_settings() == {}
+    _learn_tool_times(d, 4.0)
+    assert d.p.adaptive_settings() == {"dormancy_cutoff_s": 4.0}
