@@ -1,10 +1,17 @@
-"""The one error shape the gateway answers with: ``{"error": {"message", "type", "code"}}``.
+"""The error shapes the gateway answers with, one per API family.
 
-``code`` is the HTTP status (as vLLM's own error bodies carry it); ``param`` is added when
-the error is about one header or body field (an invalid session id, say).
+OpenAI routes (and everything else): ``{"error": {"message", "type", "code"}}``. ``code`` is
+the HTTP status (as vLLM's own error bodies carry it); ``param`` is added when the error is
+about one header or body field (an invalid session id, say).
+
+Anthropic routes (``/v1/messages`` and below): ``{"type": "error", "error": {"type",
+"message"}}`` with one of the error types Anthropic documents, chosen from the HTTP status,
+because the Anthropic SDKs and Claude Code read ``error.type`` and expect only those.
 """
 
 from __future__ import annotations
+
+import json
 
 from starlette.responses import JSONResponse
 
@@ -18,6 +25,34 @@ UPSTREAM_TIMEOUT = "upstream_timeout"
 UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
 
+ANTHROPIC_ROUTE_PREFIX = "/v1/messages"
+# Anthropic's documented error types by HTTP status; other 4xx/5xx fall back below.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_route(path: str) -> bool:
+    """Whether ``path`` belongs to the Anthropic API (``/v1/messages``, ``/v1/messages/...``)."""
+    return path == ANTHROPIC_ROUTE_PREFIX or path.startswith(ANTHROPIC_ROUTE_PREFIX + "/")
+
+
+def anthropic_error_type(status: int) -> str:
+    known = _ANTHROPIC_TYPES.get(status)
+    if known is not None:
+        return known
+    return "api_error" if status >= 500 else "invalid_request_error"
+
 
 class GatewayError(Exception):
     """An error that becomes a JSON response with ``status``."""
@@ -29,16 +64,30 @@ class GatewayError(Exception):
         self.type = type_
         self.param = param
 
-    def body(self) -> dict:
+    def body(self, path: str | None = None) -> dict:
+        """The JSON body, in the shape of the API that ``path`` belongs to (OpenAI's when
+        ``path`` is None)."""
+        if path is not None and is_anthropic_route(path):
+            return {"type": "error",
+                    "error": {"type": anthropic_error_type(self.status), "message": self.message}}
         error: dict = {"message": self.message, "type": self.type, "code": self.status}
         if self.param is not None:
             error["param"] = self.param
         return {"error": error}
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def sse_event(self, path: str | None = None) -> bytes:
+        """The error as the last event of a stream that broke after it started: Anthropic
+        streams name their events (``event: error``); OpenAI streams carry data only."""
+        data = json.dumps(self.body(path), separators=(",", ":")).encode()
+        if path is not None and is_anthropic_route(path):
+            return b"event: error\ndata: " + data + b"\n\n"
+        return b"data: " + data + b"\n\n"
+
+    def response(self, headers: dict[str, str] | None = None,
+                 path: str | None = None) -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=headers)
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return GatewayError(status, message, type_, param).response(headers)
+                   headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
+    return GatewayError(status, message, type_, param).response(headers, path)

@@ -6,15 +6,18 @@ config watcher, and stops them again).
 
 One call, in order:
 
-1. The body is read (``max_body_bytes``, else 413) and parsed (else 400).
+1. The body is read (``max_body_bytes``, else 413) and parsed (else 400; nested too deeply
+   to parse or walk is a 400 too). Errors on ``/v1/messages`` routes come in Anthropic's
+   shape, elsewhere in OpenAI's (:mod:`controller.errors`).
 2. Its identity is resolved (:func:`controller.identity.resolve_identity`; an invalid id is
    a 400 naming the header or field).
 3. The policy admits it now or holds it (:class:`controller.admission.Admission`); a held
    call waits without polling. Its client going away aborts it in the policy.
 4. It is forwarded to the admitted worker with ``session_id``, ``X-Session-ID`` and
-   ``vllm_xargs.continuation_id`` set. A non-streaming answer is passed on whole; a stream
-   is passed on as it arrives (minus the usage chunk Sluice asked for on the client's
-   behalf). The client leaving mid-stream closes the upstream request.
+   ``vllm_xargs.continuation_id`` set; the client's own ``priority`` and ``vllm_xargs`` keys
+   are dropped unless ``forward_client_keys`` names them. A non-streaming answer is passed
+   on whole; a stream is passed on as it arrives (minus the usage chunk Sluice asked for on
+   the client's behalf). The client leaving mid-stream closes the upstream request.
 5. The real usage goes to the policy (``on_complete``; a tick follows), and a
    ``request_end`` record to the request log.
 """
@@ -67,6 +70,7 @@ from controller.upstream import (
     open_upstream,
     prepare_body,
     response_headers,
+    strip_client_engine_keys,
     transport_error,
 )
 from controller.workers import WorkerRegistry
@@ -191,16 +195,17 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        path = request.url.path  # picks the error shape: Anthropic's under /v1/messages
         if exc.status_code == 404:
-            return error_response(404, f"no route {request.method} {request.url.path}", NOT_FOUND)
+            return error_response(404, f"no route {request.method} {path}", NOT_FOUND, path=path)
         if exc.status_code == 405:
-            return error_response(405, f"{request.url.path} does not accept {request.method}",
-                                  INVALID_REQUEST)
-        return error_response(exc.status_code, str(exc.detail), INVALID_REQUEST)
+            return error_response(405, f"{path} does not accept {request.method}",
+                                  INVALID_REQUEST, path=path)
+        return error_response(exc.status_code, str(exc.detail), INVALID_REQUEST, path=path)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.error("unhandled error", path=request.url.path, exc_info=exc)
-        return error_response(500, "internal error in the gateway", INTERNAL)
+        return error_response(500, "internal error in the gateway", INTERNAL, path=request.url.path)
 
     app = Starlette(
         routes=routes,
@@ -218,6 +223,7 @@ class _Gateway:
         self.clock = clock
         self.wall = wall_clock
         self.log = parts.log
+        self.forwarded_client_keys = frozenset(parts.config.forward_client_keys)
 
     # -- the proxied routes -----------------------------------------------------------
 
@@ -227,14 +233,23 @@ class _Gateway:
         try:
             body_bytes = await self._read_body(request)
             body = self._parse(body_bytes)
-            identity, forward = resolve_identity(route, request.headers, body,
-                                                 self.parts.responses.get)
+            try:
+                identity, forward = resolve_identity(route, request.headers, body,
+                                                     self.parts.responses.get)
+                strip_client_engine_keys(forward, self.forwarded_client_keys)
+                stream = forward.get("stream") is True
+                drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
+                content = _encode(forward)
+            except RecursionError:
+                # A body that decoded just under the interpreter's limit can still be too
+                # deep to walk (identity's canonical JSON) or to encode again.
+                raise _too_deep() from None
         except GatewayError as err:
             self.parts.metrics.requests.labels(route, str(err.status)).inc()
-            return err.response()
+            return err.response(path=route)
         except IdentityError as err:
             self.parts.metrics.requests.labels(route, "400").inc()
-            return error_response(400, str(err), INVALID_REQUEST, param=err.source)
+            return error_response(400, str(err), INVALID_REQUEST, param=err.source, path=route)
         request_id = f"sluice-{uuid.uuid4().hex}"
         call = CallRequest(
             request_id=request_id,
@@ -246,9 +261,7 @@ class _Gateway:
             chain_tokens=identity.chain_tokens,
             final=identity.final,
         )
-        stream = forward.get("stream") is True
-        drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
-        return _ProxyCall(self, route, request, call, identity, _encode(forward), stream,
+        return _ProxyCall(self, route, request, call, identity, content, stream,
                           drop_usage, received, received_wall)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -278,6 +291,10 @@ class _Gateway:
             body = _decoder.decode(body_bytes)
         except msgspec.DecodeError as err:
             raise GatewayError(400, f"request body is not valid JSON: {err}", INVALID_REQUEST) from None
+        except RecursionError:
+            # msgspec recurses per nesting level and gives up at the interpreter's limit:
+            # the client's mistake (or attack), not the gateway's.
+            raise _too_deep() from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object", INVALID_REQUEST)
         return body
@@ -334,6 +351,10 @@ async def _drain(chunks: AsyncIterator[bytes], expected: int) -> None:
         seen += len(chunk)
         if seen > DRAIN_LIMIT_BYTES:
             return
+
+
+def _too_deep() -> GatewayError:
+    return GatewayError(400, "request body is nested too deeply to process", INVALID_REQUEST)
 
 
 def _max_output(body: dict) -> int | None:
@@ -499,7 +520,7 @@ class _ProxyCall(Response):
             if not self.accounted:
                 await self._account(None)
             self.finished = True
-            await self._body(b"data: " + _encode(error.body()) + b"\n\n", more=False)
+            await self._body(error.sse_event(self.route), more=False)
             return
         if not self.accounted:
             await self._finish_stream(tap)
@@ -581,7 +602,7 @@ class _ProxyCall(Response):
     async def _send_error(self, err: GatewayError) -> None:
         if self.started:
             return
-        body = _encode(err.body())
+        body = _encode(err.body(self.route))
         self.finished = True
         await self._start(err.status, [(b"content-type", b"application/json"),
                                        (b"content-length", str(len(body)).encode())])

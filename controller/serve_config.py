@@ -122,6 +122,10 @@ class ServeConfig(_Strict):
     reload_poll_s: Annotated[float, Field(ge=0.0)] = 2.0
     # Served by GET /v1/models instead of asking the workers, when set.
     models: list[str] | None = None
+    # Client body keys that steer the engine and are dropped before forwarding unless named
+    # here: "priority" (vLLM's scheduling priority), "vllm_xargs" (every key inside it) or
+    # "vllm_xargs.<key>" (that one key). Clients must not outrank the policy by default.
+    forward_client_keys: list[str] = []
     log_level: str = "info"
     upstream: UpstreamConfig = UpstreamConfig()
     # -- KV-event subscriber (controller/subscriber.py) --

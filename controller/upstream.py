@@ -4,6 +4,8 @@
 - :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
   client's ``Connection`` names), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so
   what comes back can be passed on byte for byte.
+- :func:`strip_client_engine_keys`: the client's ``priority`` and ``vllm_xargs`` keys dropped
+  unless the config's ``forward_client_keys`` names them.
 - :func:`prepare_body`: ``session_id`` and ``vllm_xargs.continuation_id`` set; a stream whose
   client did not ask for usage asks for it (the gateway drops that chunk again).
 - :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
@@ -75,6 +77,28 @@ def response_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
         if not _is_hop_by_hop(lower) and lower not in _SERVER_SET:
             out.append((name, value))
     return out
+
+
+PRIORITY_KEY = "priority"
+VLLM_XARGS_KEY = "vllm_xargs"
+
+
+def strip_client_engine_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    """Drop (in place) the client's ``priority`` and ``vllm_xargs`` keys that ``allowed``
+    (``ServeConfig.forward_client_keys``) does not name: they steer the engine's scheduler
+    and cache reports, which are the policy's to decide. ``vllm_xargs`` in ``allowed`` keeps
+    the whole object; ``vllm_xargs.<key>`` keeps that key. The client's ``vllm_xargs`` dict
+    is replaced, never mutated (it may be shared with the parsed body)."""
+    if PRIORITY_KEY in body and PRIORITY_KEY not in allowed:
+        del body[PRIORITY_KEY]
+    xargs = body.get(VLLM_XARGS_KEY)
+    if not isinstance(xargs, dict) or VLLM_XARGS_KEY in allowed:
+        return
+    kept = {key: value for key, value in xargs.items() if f"{VLLM_XARGS_KEY}.{key}" in allowed}
+    if kept:
+        body[VLLM_XARGS_KEY] = kept
+    else:
+        del body[VLLM_XARGS_KEY]
 
 
 def prepare_body(route: str, body: dict[str, Any], session_id: str,

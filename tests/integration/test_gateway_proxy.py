@@ -16,8 +16,11 @@ def fleet(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("log") / "requests.jsonl"
     with fakes("w0", "w1") as started:
         workers = [{"name": f.name, "url": s.url, "capacity_tokens": 1_000_000} for f, s in started]
+        # kv_cache_report_mode is allowed through so the forwarding test can see a client
+        # vllm_xargs key survive next to the continuation id Sluice sets.
         config = serve_config(workers, max_body_bytes=4096, request_log=str(log_path),
-                              upstream={"read_timeout_s": 0.5})
+                              upstream={"read_timeout_s": 0.5},
+                              forward_client_keys=["vllm_xargs.kv_cache_report_mode"])
         with gateway(config) as gw:
             yield gw, {f.name: f for f, _ in started}, log_path
 
