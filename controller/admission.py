@@ -210,6 +210,12 @@ class Admission:
         async with self._lock:
             now = self._clock()
             actions = self.policy.set_worker_health(worker, healthy, now)
+            if not healthy:
+                # A worker that stops answering has most likely restarted or died with an
+                # empty cache; keeping its old index would steer programs back to blocks that
+                # are gone until its first new KV event. Under-counting a cache that did
+                # survive only costs a prefix hit; the events that follow rebuild it.
+                self.policy.reset_worker_kv(worker)
             actions += self.policy.tick(now)
             self._carry_out(actions, now)
 

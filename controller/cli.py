@@ -29,26 +29,42 @@ def _fail(message: str) -> typer.Exit:
 
 @app.command(
     "check-config",
-    help="Validate the policy: section of a Sluice YAML file; exit 2 if it is not usable.",
+    help="Validate a Sluice YAML file exactly as `sluice serve` reads it (every section, workers "
+    "included); a file with only a policy: section is checked as a policy file. Exit 2 if it is "
+    "not usable.",
 )
 def check_config(
     path: str = typer.Argument(
         ..., help="The YAML file to check (e.g. configs/example.yaml).", metavar="PATH"
     ),
 ) -> None:
-    from scheduler.config import ConfigError, parse_policy_yaml
+    from scheduler.config import ConfigError, load_yaml_text, parse_policy_config
 
-    from controller.serve_config import read_config_file
+    from controller.serve_config import load_serve_config, read_config_file
 
     try:
-        text = read_config_file(path)
+        data = load_yaml_text(read_config_file(path), path)
+        if not isinstance(data, dict) and data is not None:
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        if set(data or {}) <= {"policy"}:
+            # A policy-only file (what `sluice sim --config` reads) is a valid input of its
+            # own; say plainly that serve needs more, rather than calling it a serve config.
+            try:
+                policy = parse_policy_config((data or {}).get("policy"), "policy")
+            except ConfigError as err:
+                raise ConfigError(f"{path}: {err}") from None
+            typer.echo(f"ok: policy {policy.name} (policy section only: `sluice serve` "
+                       f"also needs workers:)")
+            return
+        # Anything beyond policy: is a serve config: the very loader serve uses, so
+        # check-config never passes a file that serve refuses.
+        settings = load_serve_config(path)
     except ConfigError as err:
         raise _fail(str(err)) from None
-    try:
-        config = parse_policy_yaml(text, source=path)
-    except ConfigError as err:
-        raise _fail(str(err)) from None
-    typer.echo(f"ok: policy {config.name}")
+    names = ", ".join(worker.name for worker in settings.workers)
+    typer.echo(f"ok: policy {settings.policy.name}; serve config with "
+               f"{len(settings.workers)} worker(s) ({names}), listening on "
+               f"{settings.listen.host}:{settings.listen.port}")
 
 
 def _summary_line(cls: type) -> str:

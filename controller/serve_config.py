@@ -68,6 +68,28 @@ def _check_url(value: str, schemes: tuple[str, ...], what: str) -> str:
     return value
 
 
+# sizeof(sockaddr_un.sun_path) on Linux less the terminating NUL: ZMQ refuses longer ipc paths.
+IPC_PATH_MAX_BYTES = 107
+
+
+def _check_zmq_endpoint(value: str) -> str:
+    """A ZMQ endpoint as zmq_bind/zmq_connect read it. ``ipc://`` is a filesystem path
+    (``ipc:///abs/path``, ``ipc://relative``, ``ipc://@abstract``), not HOST:PORT, so it
+    is checked apart from tcp/inproc, which a URL parser reads correctly."""
+    scheme, separator, rest = value.partition("://")
+    if separator and scheme == "ipc":
+        if not rest or rest.endswith("/"):
+            raise ValueError(f"an ipc ZMQ endpoint needs a socket path such as "
+                             f"ipc:///tmp/sluice-kv.sock, got {value!r}")
+        if "\x00" in rest or any(ch.isspace() for ch in rest):
+            raise ValueError(f"an ipc ZMQ endpoint path cannot hold NUL or whitespace, got {value!r}")
+        if len(rest.encode()) > IPC_PATH_MAX_BYTES:
+            raise ValueError(f"an ipc ZMQ endpoint path is at most {IPC_PATH_MAX_BYTES} bytes "
+                             f"(a Unix socket address), got {len(rest.encode())} in {value!r}")
+        return value
+    return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
+
+
 class WorkerConfig(_Strict):
     """One engine behind the gateway (configs/example.yaml documents each key)."""
 
@@ -98,7 +120,7 @@ class WorkerConfig(_Strict):
     def _zmq_endpoint(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
+        return _check_zmq_endpoint(value)
 
 
 class ServeConfig(_Strict):
@@ -155,7 +177,7 @@ class ServeConfig(_Strict):
     def _zmq_bind(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
+        return _check_zmq_endpoint(value)
 
     @field_validator("workers")
     @classmethod

@@ -180,6 +180,11 @@ def load_yaml_text(text: str, source: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: not valid YAML: {err}") from None
+    except RecursionError:
+        # PyYAML composes and constructs nodes recursively, so a document nested deeper than
+        # the interpreter's stack (e.g. ``[[[[...]]]]`` ~1,000 levels) would escape as a crash
+        # of check-config or a 500 from a reload instead of a config problem.
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply to parse") from None
 
 
 def parse_policy_yaml(text: str, source: str = "<config>") -> PolicyConfig:

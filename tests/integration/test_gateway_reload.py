@@ -140,3 +140,25 @@ def test_serve_rejects_a_bad_config_naming_the_key(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "workers.0.url" in proc.stderr and "policy.pause_target" in proc.stderr
+
+
+def test_deeply_nested_yaml_reload_is_rejected_and_keeps_the_old_config(tmp_path):
+    path = tmp_path / "sluice.yaml"
+    document = _document("http://127.0.0.1:9", pause_threshold=0.95)
+    document["reload_poll_s"] = 0  # only the admin endpoint reloads: no race with the poller
+    _write(path, document)
+    with gateway(load_serve_config(path)) as gw:
+        r = gw.client.post("/sluice/reload", headers=ADMIN)
+        assert r.status_code == 200 and _policy(gw)["reload"]["ok"] is True
+
+        # ~1,000 levels: past PyYAML's recursion this used to escape as a 500 while the
+        # status still said "ok".
+        path.write_text("policy: " + "[" * 1000 + "]" * 1000 + "\n", encoding="utf-8")
+        r = gw.client.post("/sluice/reload", headers=ADMIN)
+        assert r.status_code == 422, r.text
+        body = r.json()
+        assert body["reloaded"] is False and body["ok"] is False
+        assert str(path) in body["error"] and "nested too deeply" in body["error"]
+        status = _policy(gw)
+        assert status["reload"]["ok"] is False
+        assert status["policy"]["pause_threshold"] == 0.95

@@ -495,6 +495,42 @@ def test_check_config_rejects_pause_target_above_pause_threshold(runner, tmp_pat
     assert result.exit_code == 0 and result.stdout.startswith("ok: policy program_aware")
 
 
+
+def test_check_config_validates_the_whole_file_as_serve_does(runner, tmp_path):
+    config = tmp_path / "sluice.yaml"
+    # A good policy: section used to be enough for "ok" although serve refuses this file.
+    config.write_text("workers:\n  - name: w0\n    url: ftp://nowhere\n"
+                      "listen: {port: 70000}\npolicy:\n  pause_threshold: 0.9\n")
+    assert_error(invoke(runner, "check-config", config), str(config), "workers.0.url", "listen.port")
+    config.write_text("workers: []\npolicy:\n  pause_threshold: 0.9\n")
+    assert_error(invoke(runner, "check-config", config), "workers")
+    config.write_text("workers:\n  - name: w0\n    url: http://127.0.0.1:8000\n"
+                      "  - name: w1\n    url: http://127.0.0.1:8001\n"
+                      "    kv_events: ipc:///tmp/sluice-w1-kv.sock\n"
+                      "policy:\n  pause_threshold: 0.9\n")
+    result = invoke(runner, "check-config", config)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("ok: policy program_aware; serve config with 2 worker(s) (w0, w1)")
+    # The shipped example is a whole serve config too.
+    result = invoke(runner, "check-config", Path(__file__).resolve().parents[2] / "configs" / "example.yaml")
+    assert result.exit_code == 0 and "2 worker(s)" in result.stdout, result.output
+
+
+def test_check_config_says_a_policy_only_file_is_not_enough_for_serve(runner, tmp_path):
+    config = tmp_path / "policy.yaml"
+    config.write_text("policy:\n  pause_threshold: 0.9\n")
+    result = invoke(runner, "check-config", config)
+    assert result.exit_code == 0 and result.stdout.startswith("ok: policy program_aware")
+    assert "sluice serve` also needs workers:" in result.stdout
+
+
+def test_check_config_reports_deeply_nested_yaml_as_an_error(runner, tmp_path):
+    config = tmp_path / "deep.yaml"
+    config.write_text("policy: " + "[" * 1000 + "]" * 1000 + "\n")
+    assert_error(invoke(runner, "check-config", config), str(config), "nested too deeply")
+    config.write_text("workers: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n")
+    assert_error(invoke(runner, "check-config", config), str(config), "nested too deeply")
+
 def test_presets_lists_every_preset(runner):
     result = invoke(runner, "presets")
     assert result.exit_code == 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections import deque
@@ -21,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from fake_vllm import FakeState, create_fake
 from gateway_harness import ADMIN, ServerThread, free_port, gateway, serve_config, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -549,3 +552,47 @@ def test_a_busy_bind_address_is_retried_with_backoff():
     finally:
         squatter.close(linger=0)
         ctx.term()
+
+
+# -- worker health and ipc endpoints ----------------------------------------------------------
+
+
+def test_worker_marked_unhealthy_has_its_kv_index_cleared_at_once():
+    """A worker that stops answering /health has probably restarted with an empty cache: its
+    index is emptied when the health check marks it down, not at its first new event."""
+    fake = FakeState("w0")
+    server = ServerThread(create_fake(fake)).start()
+    work = Workload(seed=3)
+    try:
+        with publisher() as pub, gateway(serve_config(
+                [worker_entry("w0", pub, url=server.url)],
+                health_interval_s=0.05, unhealthy_after=1)) as gw:
+            sync(gw, pub, "w0")
+            for _ in range(5):
+                pub.publish(work.batch())
+            applied_through(gw, "w0", pub.next_seq - 1)
+            assert index_of(gw, "w0")[0], "the index holds the worker's blocks"
+            fake.healthy = False  # the engine went away; no event says so
+            wait_for(lambda: not gw.workers()["w0"]["healthy"], what="worker marked down")
+            assert index_of(gw, "w0") == ({}, {})
+            assert not gw.parts.admission.policy.index.has_events("w0")
+    finally:
+        server.stop()
+
+
+def test_kv_events_over_an_absolute_ipc_path_reach_the_gateway_index():
+    # A short directory of its own: a Unix socket path holds at most 107 bytes.
+    directory = tempfile.mkdtemp(prefix="sluice-ipc-")
+    endpoint = f"ipc://{directory}/kv.sock"
+    work = Workload(seed=4)
+    try:
+        with publisher(endpoint=endpoint, replay=None, bind=True) as pub, \
+                gateway_for([worker_entry("w1", pub)]) as gw:
+            assert gw.parts.kv_events is not None and pub.endpoint == endpoint
+            sync(gw, pub, "w1")
+            for _ in range(5):
+                pub.publish(work.batch())
+            applied_through(gw, "w1", pub.next_seq - 1)
+            assert index_of(gw, "w1") == baseline(pub.history)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -201,6 +201,19 @@ def test_invalid_yaml_syntax_is_a_config_error_naming_the_source():
         load_yaml_text("a: {b: 1\n", "x.yaml")
 
 
+@pytest.mark.parametrize("document", [
+    "policy: " + "[" * 1000 + "]" * 1000,                   # sequences in sequences
+    "policy: " + "{a: " * 1000 + "1" + "}" * 1000,          # flow mappings in mappings
+    "".join(" " * depth + f"k{depth}:\n" for depth in range(1000)),  # block mappings
+])
+def test_deeply_nested_yaml_is_a_config_error_naming_the_source(document):
+    # PyYAML recurses once per level: past the interpreter's stack this was a RecursionError.
+    with pytest.raises(ConfigError, match=r"^deep\.yaml: not valid YAML: nested too deeply"):
+        load_yaml_text(document, "deep.yaml")
+    with pytest.raises(ConfigError, match=r"^deep\.yaml: not valid YAML"):
+        parse_policy_yaml(document, "deep.yaml")
+
+
 def test_top_level_must_be_a_mapping():
     with pytest.raises(ConfigError, match=r"^sluice\.yaml: .*mapping"):
         parse_policy_yaml("- just\n- a list\n", "sluice.yaml")

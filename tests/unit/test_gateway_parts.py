@@ -50,6 +50,40 @@ def test_config_errors_name_every_offending_key(data, keys):
         assert f"sluice.yaml: {key}" in str(err.value), str(err.value)
 
 
+
+@pytest.mark.parametrize("endpoint", [
+    "ipc:///tmp/sluice/kv-w0.sock",   # an absolute path: ipc:// then /tmp/...
+    "ipc://kv-w0.sock",               # relative to the gateway's working directory
+    "ipc://@sluice-kv-w0",            # Linux abstract namespace
+    "tcp://127.0.0.1:5557",
+    "tcp://*:5557",
+    "inproc://kv-w0",
+])
+def test_zmq_endpoints_accept_ipc_paths_as_zmq_does(endpoint):
+    config = parse_serve_config({"workers": [{**WORKER, "kv_events": endpoint, "replay": endpoint,
+                                              "directives": endpoint}],
+                                 "kv_events_bind": endpoint})
+    worker = config.workers[0]
+    assert (worker.kv_events, worker.replay, worker.directives) == (endpoint,) * 3
+    assert config.kv_events_bind == endpoint
+
+
+@pytest.mark.parametrize("endpoint,problem", [
+    ("ipc://", "needs a socket path"),
+    ("ipc:///tmp/", "needs a socket path"),
+    ("ipc:///tmp/kv sock", "whitespace"),
+    ("ipc:///tmp/" + "x" * 120, "at most 107 bytes"),
+    ("ipc:/tmp/kv.sock", "a ZMQ endpoint must look like"),
+    ("tcp://", "a ZMQ endpoint must look like"),
+])
+def test_malformed_zmq_endpoint_is_rejected_naming_the_key(endpoint, problem):
+    with pytest.raises(ConfigError) as err:
+        parse_serve_config({"workers": [{**WORKER, "replay": endpoint}]}, "sluice.yaml")
+    assert "sluice.yaml: workers.0.replay" in str(err.value) and problem in str(err.value), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_serve_config({"workers": [WORKER], "kv_events_bind": endpoint}, "sluice.yaml")
+    assert "sluice.yaml: kv_events_bind" in str(err.value) and problem in str(err.value), str(err.value)
+
 def test_admin_token_env_var_wins_over_the_literal_token():
     config = parse_serve_config({"workers": [WORKER], "admin_token": "literal-token"})
     assert config.resolved_admin_token({}) == "literal-token"
