@@ -1,8 +1,9 @@
 """The error shapes the gateway answers with, one per API family.
 
 OpenAI routes (and everything else): ``{"error": {"message", "type", "code"}}``. ``code`` is
-the HTTP status (as vLLM's own error bodies carry it); ``param`` is added when the error is
-about one header or body field (an invalid session id, say).
+the HTTP status (as vLLM's own error bodies carry it) unless the error names a code of its
+own (``model_not_found``, as OpenAI's API answers an unknown model); ``param`` is added when
+the error is about one header or body field (an invalid session id, say).
 
 Anthropic routes (``/v1/messages`` and below): ``{"type": "error", "error": {"type",
 "message"}}`` with one of the error types Anthropic documents, chosen from the HTTP status,
@@ -24,6 +25,7 @@ UPSTREAM = "upstream_error"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model it does not serve
 
 ANTHROPIC_ROUTE_PREFIX = "/v1/messages"
 # Anthropic's documented error types by HTTP status; other 4xx/5xx fall back below.
@@ -57,12 +59,14 @@ def anthropic_error_type(status: int) -> str:
 class GatewayError(Exception):
     """An error that becomes a JSON response with ``status``."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        self.code = code
 
     def body(self, path: str | None = None) -> dict:
         """The JSON body, in the shape of the API that ``path`` belongs to (OpenAI's when
@@ -70,7 +74,8 @@ class GatewayError(Exception):
         if path is not None and is_anthropic_route(path):
             return {"type": "error",
                     "error": {"type": anthropic_error_type(self.status), "message": self.message}}
-        error: dict = {"message": self.message, "type": self.type, "code": self.status}
+        error: dict = {"message": self.message, "type": self.type,
+                       "code": self.code if self.code is not None else self.status}
         if self.param is not None:
             error["param"] = self.param
         return {"error": error}

@@ -10,7 +10,8 @@ One call, in order:
    to parse or walk is a 400 too). Errors on ``/v1/messages`` routes come in Anthropic's
    shape, elsewhere in OpenAI's (:mod:`controller.errors`).
 2. Its identity is resolved (:func:`controller.identity.resolve_identity`; an invalid id is
-   a 400 naming the header or field).
+   a 400 naming the header or field), and a ``model`` no worker serves is a 404
+   (:mod:`controller.model_catalog`).
 3. The policy admits it now or holds it (:class:`controller.admission.Admission`); a held
    call waits without polling. Its client going away aborts it in the policy.
 4. It is forwarded to the admitted worker with ``session_id``, ``X-Session-ID`` and
@@ -20,6 +21,9 @@ One call, in order:
    the client's behalf). The client leaving mid-stream closes the upstream request.
 5. The real usage goes to the policy (``on_complete``; a tick follows), and a
    ``request_end`` record to the request log.
+
+``POST /v1/messages/count_tokens`` is not a call: it is relayed to one healthy worker (the
+session's home worker when the session is a known program) without the policy hearing of it.
 """
 
 from __future__ import annotations
@@ -49,13 +53,15 @@ from controller.directives import ZmqDirectiveSink
 from controller.errors import (
     INTERNAL,
     INVALID_REQUEST,
+    MODEL_NOT_FOUND,
     NOT_FOUND,
     TOO_LARGE,
     UNAVAILABLE,
     GatewayError,
     error_response,
 )
-from controller.identity import ROUTES, Identity, IdentityError, resolve_identity
+from controller.identity import ROUTE_MESSAGES, ROUTES, Identity, IdentityError, resolve_identity
+from controller.model_catalog import ModelCatalog
 from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
 from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
@@ -81,7 +87,7 @@ from scheduler.policies import make_policy
 # its 413 instead of a connection reset in the middle of its upload.
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 RESPONSE_SESSIONS_KEPT = 100_000
-MODELS_TIMEOUT_S = 5.0
+ROUTE_COUNT_TOKENS = "/v1/messages/count_tokens"
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _encode = msgspec.json.Encoder().encode
@@ -133,6 +139,7 @@ class Parts:
     reloader: ConfigReloader
     responses: ResponseSessions
     log: Any
+    models: ModelCatalog
     kv_events: KvEventSubscriber | None = None  # the KV-event subscriber (controller/subscriber.py)
 
 
@@ -159,7 +166,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     kv_events = KvEventSubscriber(config, admission, log)
     metrics.watch_kv_events(kv_events)
     parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
-                  ResponseSessions(), log, kv_events)
+                  ResponseSessions(), log, ModelCatalog(config, pool, workers, log), kv_events)
     gateway = _Gateway(parts, clock, wall_clock)
     admin = AdminApi(config.resolved_admin_token(), admission, workers, reloader, clock)
 
@@ -187,6 +194,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
 
     routes = [Route(path, gateway.proxy, methods=["POST"]) for path in sorted(ROUTES)]
     routes += [
+        Route(ROUTE_COUNT_TOKENS, gateway.count_tokens, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
@@ -250,6 +258,10 @@ class _Gateway:
         except IdentityError as err:
             self.parts.metrics.requests.labels(route, "400").inc()
             return error_response(400, str(err), INVALID_REQUEST, param=err.source, path=route)
+        unknown = await self._unknown_model(identity.model)
+        if unknown is not None:
+            self.parts.metrics.requests.labels(route, "404").inc()
+            return unknown.response(path=route)
         request_id = f"sluice-{uuid.uuid4().hex}"
         call = CallRequest(
             request_id=request_id,
@@ -263,6 +275,73 @@ class _Gateway:
         )
         return _ProxyCall(self, route, request, call, identity, content, stream,
                           drop_usage, received, received_wall)
+
+    async def _unknown_model(self, model: str | None) -> GatewayError | None:
+        """The 404 for a model no worker serves (None when it is served, or unnamed)."""
+        if model is None or await self.parts.models.is_served(model):
+            return None
+        return GatewayError(404, f"the model `{model}` does not exist: no worker serves it",
+                            INVALID_REQUEST, param="model", code=MODEL_NOT_FOUND)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Relay an Anthropic token count to a worker. Not a call: it runs nothing on the
+        engine worth scheduling, so the policy never hears of it (no program, no hold)."""
+        route = request.url.path
+        try:
+            body = self._parse(await self._read_body(request))
+            try:
+                # Resolved as a Messages body (it is one, minus max_tokens) so it finds the
+                # same session, and so the same program, as the call it prepares.
+                identity, forward = resolve_identity(ROUTE_MESSAGES, request.headers, body,
+                                                     self.parts.responses.get)
+                strip_client_engine_keys(forward, self.forwarded_client_keys)
+                content = _encode(forward)
+            except RecursionError:
+                raise _too_deep() from None
+            unknown = await self._unknown_model(identity.model)
+            if unknown is not None:
+                raise unknown
+            worker = self._count_tokens_worker(identity.session_id)
+            if worker is None:
+                raise GatewayError(503, "no healthy worker: every worker fails its health checks",
+                                   UNAVAILABLE)
+            path = route + (f"?{request.url.query}" if request.url.query else "")
+            headers = forward_headers(request.headers.raw, identity.session_id)
+            response = await open_upstream(self.parts.pool.client(worker), worker, path,
+                                           content, headers)
+            try:
+                answer = await response.aread()
+            except httpx.HTTPError as err:
+                raise transport_error(worker, err, mid_stream=True) from None
+            finally:
+                await response.aclose()
+        except GatewayError as err:
+            self.parts.metrics.requests.labels(route, str(err.status)).inc()
+            return err.response(path=route)
+        except IdentityError as err:
+            self.parts.metrics.requests.labels(route, "400").inc()
+            return error_response(400, str(err), INVALID_REQUEST, param=err.source, path=route)
+        self.parts.metrics.requests.labels(route, str(response.status_code)).inc()
+        if response.status_code == 404:
+            # vLLM's OpenAI server may not have the route; its 404 body is not Anthropic's.
+            return error_response(404, f"worker {worker} does not serve {route}", NOT_FOUND,
+                                  path=route)
+        relayed = Response(answer, status_code=response.status_code)
+        # The worker's headers as they came (repeated names kept), with our own length.
+        relayed.raw_headers = [*response_headers(response.headers),
+                               (b"content-length", str(len(answer)).encode())]
+        return relayed
+
+    def _count_tokens_worker(self, session_id: str) -> str | None:
+        """The session's home worker when it is a known program on a healthy worker (its
+        prefix is there, and it keeps the count next to the calls), else any healthy one."""
+        healthy = self.parts.workers.healthy_names()
+        if not healthy:
+            return None
+        program = self.parts.admission.policy.programs.get(session_id)
+        if program is not None and program.home_worker in healthy:
+            return program.home_worker
+        return healthy[0]
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -307,29 +386,10 @@ class _Gateway:
             data = [{"id": m, "object": "model", "created": created, "owned_by": "sluice"}
                     for m in self.config.models]
             return JSONResponse({"object": "list", "data": data})
-        names = self.parts.workers.healthy_names()
-        answers: dict[str, list[dict]] = {}
-
-        async def ask(name: str) -> None:
-            try:
-                response = await self.parts.pool.client(name).get("/v1/models", timeout=MODELS_TIMEOUT_S)
-                if response.status_code == 200:
-                    data = decode_json(response.content)
-                    if isinstance(data, dict) and isinstance(data.get("data"), list):
-                        answers[name] = [m for m in data["data"] if isinstance(m, dict)]
-            except httpx.HTTPError as err:
-                self.log.warning("worker /v1/models failed", worker=name, problem=str(err))
-
-        async with anyio.create_task_group() as tg:
-            for name in names:
-                tg.start_soon(ask, name)
-        if not answers:
+        merged = await self.parts.models.from_workers()
+        if merged is None:
             return error_response(503, "no healthy worker answered /v1/models", UNAVAILABLE)
-        merged: dict[str, dict] = {}
-        for name in names:  # config order, so the answer is stable
-            for model in answers.get(name, []):
-                merged.setdefault(str(model.get("id")), model)
-        return JSONResponse({"object": "list", "data": list(merged.values())})
+        return JSONResponse({"object": "list", "data": merged})
 
     async def health(self, request: Request) -> Response:
         states = self.parts.workers.states.values()

@@ -13,6 +13,11 @@ test steers each call with request headers, which the gateway forwards like any 
 - ``x-test-cached-tokens: N`` the cached tokens it reports (default 0)
 - ``x-test-break-after: N``  cut the stream's connection after N events (a dying worker)
 
+``POST /v1/messages/count_tokens`` answers ``{"input_tokens": 10 per message}`` and is
+recorded in ``FakeState.counted`` (not ``seen``: it is not a call); ``serves_count_tokens``
+False makes it a 404 like a vLLM without the route. ``models_status`` other than 200 makes
+``GET /v1/models`` fail with that status.
+
 Everything it saw and sent is on :class:`FakeState` (thread-safe enough for tests: lists
 appended from the server thread, read from the test thread).
 """
@@ -54,6 +59,10 @@ class FakeState:
     disconnects: list[str] = field(default_factory=list)
     disconnected: threading.Event = field(default_factory=threading.Event)
     completed: list[str] = field(default_factory=list)
+    # count_tokens requests (headers and body) this worker answered
+    counted: list[Seen] = field(default_factory=list)
+    serves_count_tokens: bool = True
+    models_status: int = 200
 
     def sessions(self) -> list[str]:
         return [s.body.get("session_id") for s in self.seen]
@@ -122,7 +131,20 @@ def create_fake(state: FakeState) -> Starlette:
         )
         return PlainTextResponse(text)
 
+    async def count_tokens(request: Request) -> Response:
+        if not state.serves_count_tokens:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        body = await request.json()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        state.counted.append(Seen(request.url.path, headers, body))
+        return JSONResponse({"input_tokens": 10 * len(body.get("messages") or [1])},
+                            headers={"x-worker": state.name})
+
     async def models(request: Request) -> Response:
+        if state.models_status != 200:
+            return JSONResponse({"error": {"message": "models unavailable", "type": "fake",
+                                           "code": state.models_status}},
+                                status_code=state.models_status)
         return JSONResponse({"object": "list", "data": [
             {"id": state.model, "object": "model", "owned_by": state.name}]})
 
@@ -131,6 +153,7 @@ def create_fake(state: FakeState) -> Starlette:
         Route("/v1/completions", complete, methods=["POST"]),
         Route("/v1/responses", complete, methods=["POST"]),
         Route("/v1/messages", complete, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", models),

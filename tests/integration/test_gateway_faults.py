@@ -10,7 +10,7 @@ import json
 import pytest
 from gateway_harness import chat, fakes, free_port, gateway, serve_config
 
-MESSAGES_BODY = {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES_BODY = {"model": "fake-model", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,8 @@ def _nested(depth: int) -> bytes:
 
 def _deep_bodies(depth: int) -> list[bytes]:
     """A deep value in a field nobody reads, and one inside the prompt that identity walks."""
-    beside_prompt = b'{"model":"m","max_tokens":6,"messages":[{"role":"user","content":"hi"}],"x":'
-    inside_prompt = b'{"model":"m","max_tokens":6,"messages":[{"role":"user","content":'
+    beside_prompt = b'{"model":"fake-model","max_tokens":6,"messages":[{"role":"user","content":"hi"}],"x":'
+    inside_prompt = b'{"model":"fake-model","max_tokens":6,"messages":[{"role":"user","content":'
     return [beside_prompt + _nested(depth) + b"}", inside_prompt + _nested(depth) + b"}]}"]
 
 

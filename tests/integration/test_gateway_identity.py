@@ -61,29 +61,29 @@ def test_identity_source_reaches_the_policy_and_the_worker(single, name, headers
 
 def test_previous_response_id_continues_the_session_that_produced_it(single):
     gw, fake = single
-    first = gw.client.post("/v1/responses", json={"model": "m", "input": "start"},
+    first = gw.client.post("/v1/responses", json={"model": "fake-model", "input": "start"},
                            headers={"x-session-id": "resp-session"})
     assert first.status_code == 200
     response_id = first.json()["id"]
-    follow = gw.client.post("/v1/responses", json={"model": "m", "input": "go on",
+    follow = gw.client.post("/v1/responses", json={"model": "fake-model", "input": "go on",
                                                    "previous_response_id": response_id})
     assert follow.status_code == 200
     assert _last_seen(fake).body["session_id"] == "resp-session"
     assert gw.programs()["resp-session"]["steps"] == 2
     # Streamed responses are remembered too.
-    with gw.client.stream("POST", "/v1/responses", json={"model": "m", "input": "s", "stream": True},
+    with gw.client.stream("POST", "/v1/responses", json={"model": "fake-model", "input": "s", "stream": True},
                           headers={"x-session-id": "resp-stream"}) as r:
         raw = b"".join(r.iter_raw())
     stream_id = "resp_" + r.headers["x-fake-request-id"]
     assert stream_id.encode() in raw
-    gw.client.post("/v1/responses", json={"model": "m", "input": "more",
+    gw.client.post("/v1/responses", json={"model": "fake-model", "input": "more",
                                           "previous_response_id": stream_id})
     assert _last_seen(fake).body["session_id"] == "resp-stream"
 
 
 def test_unknown_previous_response_id_falls_through_to_content(single):
     gw, fake = single
-    r = gw.client.post("/v1/responses", json={"model": "m", "input": "orphan",
+    r = gw.client.post("/v1/responses", json={"model": "fake-model", "input": "orphan",
                                               "previous_response_id": "resp_never_seen"})
     assert r.status_code == 200
     assert _last_seen(fake).body["session_id"].startswith("c-")
@@ -93,8 +93,8 @@ def test_content_derived_session_is_stable_across_a_conversations_turns(single):
     gw, fake = single
     system = {"role": "system", "content": "You fix bugs."}
     opening = {"role": "user", "content": "test_utils fails"}
-    turn1 = {"model": "m", "messages": [system, opening]}
-    turn2 = {"model": "m", "messages": [system, opening, {"role": "assistant", "content": "ok"},
+    turn1 = {"model": "fake-model", "messages": [system, opening]}
+    turn2 = {"model": "fake-model", "messages": [system, opening, {"role": "assistant", "content": "ok"},
                                         {"role": "user", "content": "now run it"}]}
     assert gw.client.post("/v1/chat/completions", json=turn1).status_code == 200
     first = _last_seen(fake)
@@ -108,9 +108,9 @@ def test_content_derived_session_is_stable_across_a_conversations_turns(single):
 
 
 @pytest.mark.parametrize("route,body", [
-    ("/v1/completions", {"model": "m", "prompt": "def f():"}),
-    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"model": "fake-model", "prompt": "def f():"}),
+    ("/v1/messages", {"model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "fake-model", "input": [{"role": "user", "content": "hi"}]}),
 ])
 def test_every_route_resolves_identity(single, route, body):
     gw, fake = single

@@ -98,9 +98,9 @@ def test_stream_with_client_usage_request_is_byte_identical(fleet):
 
 
 @pytest.mark.parametrize("route,body", [
-    ("/v1/messages", {"model": "m", "max_tokens": 6, "system": "sys",
+    ("/v1/messages", {"model": "fake-model", "max_tokens": 6, "system": "sys",
                       "messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/responses", {"model": "m", "max_output_tokens": 6, "input": "hi"}),
+    ("/v1/responses", {"model": "fake-model", "max_output_tokens": 6, "input": "hi"}),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_and_responses_usage_reaches_the_policy(fleet, route, body, stream):

@@ -107,7 +107,7 @@ def test_sluice_serve_reloads_on_sighup(tmp_path):
                     return False
 
             wait_for(up, timeout=20, what="sluice serve up")
-            r = client.post("/v1/chat/completions", json={"model": "m", "messages": [
+            r = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": [
                 {"role": "user", "content": "hi"}]}, headers={"x-claude-code-session-id": "s1"})
             assert r.status_code == 200
             programs = client.get("/sluice/programs", headers=ADMIN).json()["programs"]
