@@ -210,7 +210,8 @@ class ProgramAwarePolicy(Policy):
 
     def _overdue(self, now: float) -> list[Action]:
         """Bounded waiting: a call held ``max_wait_s`` goes ahead with its program, room or
-        not (home first: its KV may be there). Retried each tick while no worker accepts."""
+        not (home first: its KV may be there). Retried at every tick while no worker
+        accepts programs (a worker may come back between two ticks)."""
         actions: list[Action] = []
         heap = self._wait_deadlines
         retry: list[tuple[float, str]] = []
@@ -225,7 +226,7 @@ class ProgramAwarePolicy(Policy):
                 self.stats.wait_limit_resumes += 1
                 actions += resumed
             else:
-                retry.append((now + self.config.tick_interval_s, entry[1]))
+                retry.append(entry)  # overdue still: due again at the very next tick
         for entry in retry:
             heapq.heappush(heap, entry)
         return actions

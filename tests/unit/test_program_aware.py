@@ -861,3 +861,14 @@ def test_the_learnt_dormancy_cutoff_is_reported_as_an_adaptive_setting() -> None
     assert d.p.adaptive_settings() == {}
     _learn_tool_times(d, 4.0)
     assert d.p.adaptive_settings() == {"dormancy_cutoff_s": 4.0}
+
+
+def test_an_overdue_call_goes_at_the_first_tick_after_a_worker_comes_back() -> None:
+    d = Driver(make({"w0": CAP}, max_wait_s=30.0, tick_interval_s=5.0))
+    d.reasoning("a", 900)
+    assert isinstance(d.arrive("n", 400, now=1.0), Hold)
+    d.p.set_worker_health("w0", False, 2.0)
+    assert of(d.p.tick(31.0), Admit) == []  # overdue, but no worker takes programs
+    d.p.set_worker_health("w0", True, 31.5)
+    # the next tick comes sooner than tick_interval_s: the call must not wait for a retry slot
+    assert [a.request_id for a in of(d.p.tick(32.0), Admit)] == ["n#1"]
