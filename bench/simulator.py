@@ -1,8 +1,8 @@
 """Simulator speed: wall-clock seconds to simulate two reference loads with program_aware.
 
 - ``sim_mooncake_conversation_s``: replay the Mooncake conversation trace (12,031 requests,
-  ~59 min) on 8 workers. The trace is public data under ``../shared/data``; a checkout
-  without it skips this line and says so on stderr.
+  ~59 min) on 8 workers. The trace (public, Apache-2.0) ships in
+  ``experiments/data/mooncake/``; if it is missing this line is skipped with a note on stderr.
 - ``sim_cc512_30min_s``: SWE-bench workload, 512 programs in a closed loop, 8 workers,
   1,800 simulated seconds.
 """
@@ -16,7 +16,8 @@ from bench.common import progress, result
 from sim.runs import replay_programs, run_policies, trace_span_s, workload_feed
 from sim.simulation import OpenLoop
 
-MOONCAKE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+MOONCAKE = (Path(__file__).resolve().parent.parent / "experiments" / "data" / "mooncake"
+            / "conversation_trace.jsonl")
 
 
 def run_mooncake(path: Path = MOONCAKE) -> None:
