@@ -252,12 +252,8 @@ class _Gateway:
                 # A body that decoded just under the interpreter's limit can still be too
                 # deep to walk (identity's canonical JSON) or to encode again.
                 raise _too_deep() from None
-        except GatewayError as err:
-            self.parts.metrics.requests.labels(route, str(err.status)).inc()
-            return err.response(path=route)
-        except IdentityError as err:
-            self.parts.metrics.requests.labels(route, "400").inc()
-            return error_response(400, str(err), INVALID_REQUEST, param=err.source, path=route)
+        except (GatewayError, IdentityError) as err:
+            return self._refuse(route, err)
         unknown = await self._unknown_model(identity.model)
         if unknown is not None:
             self.parts.metrics.requests.labels(route, "404").inc()
@@ -275,6 +271,13 @@ class _Gateway:
         )
         return _ProxyCall(self, route, request, call, identity, content, stream,
                           drop_usage, received, received_wall)
+
+    def _refuse(self, route: str, err: GatewayError | IdentityError) -> Response:
+        """The gateway's own answer to a request it will not forward, counted by status."""
+        if isinstance(err, IdentityError):
+            err = GatewayError(400, str(err), INVALID_REQUEST, param=err.source)
+        self.parts.metrics.requests.labels(route, str(err.status)).inc()
+        return err.response(path=route)
 
     async def _unknown_model(self, model: str | None) -> GatewayError | None:
         """The 404 for a model no worker serves (None when it is served, or unnamed)."""
@@ -315,12 +318,8 @@ class _Gateway:
                 raise transport_error(worker, err, mid_stream=True) from None
             finally:
                 await response.aclose()
-        except GatewayError as err:
-            self.parts.metrics.requests.labels(route, str(err.status)).inc()
-            return err.response(path=route)
-        except IdentityError as err:
-            self.parts.metrics.requests.labels(route, "400").inc()
-            return error_response(400, str(err), INVALID_REQUEST, param=err.source, path=route)
+        except (GatewayError, IdentityError) as err:
+            return self._refuse(route, err)
         self.parts.metrics.requests.labels(route, str(response.status_code)).inc()
         if response.status_code == 404:
             # vLLM's OpenAI server may not have the route; its 404 body is not Anthropic's.
