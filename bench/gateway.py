@@ -9,7 +9,7 @@ Three processes on loopback (127.0.0.1, free ports picked at start):
   the request asks for it) — then ``data: [DONE]``; a non-streaming answer is one
   pre-encoded ``chat.completion`` body with usage. ``GET /health`` answers 200.
 - the **gateway**, exactly as users run it: ``sluice serve --config FILE`` (run as
-  ``python -m controller.cli serve``) with one worker pointing at that upstream,
+  ``python -m entry.cli serve``) with one worker pointing at that upstream,
   ``capacity_tokens`` 10^12 and the default ``program_aware`` policy, so it never holds a call
   — every admission decision, identity resolution, metric, request log line (the default
   ``info`` level; its stderr goes to a file) and tick still happens.
@@ -271,7 +271,7 @@ def _start_gateway(workdir: Path, upstream_url: str, label: str,
     argv = [sys.executable]
     if profile_path is not None:
         argv += ["-m", "cProfile", "-o", str(profile_path)]
-    argv += ["-m", "controller.cli", "serve", "--config", str(config)]
+    argv += ["-m", "entry.cli", "serve", "--config", str(config)]
     # uvicorn re-raises the signal it stopped on once it is done: SIGTERM would then kill
     # the process before cProfile writes its file, SIGINT ends it in a KeyboardInterrupt
     # that cProfile's ``finally`` outlives.

@@ -18,33 +18,9 @@ import zmq
 
 from controller.admission import Directive, DirectiveSink
 from controller.serve_config import WorkerConfig
-from scheduler.actions import Demote, Release, Retain
+from scheduler.directive_envelope import envelope
 
-PROTOCOL_VERSION = 1
-ACTION_VERSION = 1
 SEND_HWM = 10_000
-
-
-def envelope(action: Directive, message_id: str) -> dict[str, Any]:
-    """One action as a KvHint envelope (DESIGN.md §5 "Directives")."""
-    payload: dict[str, Any] = {"session_id": action.session_id}
-    if isinstance(action, Retain):
-        kind = "kv.retain"
-        payload.update(priority=action.priority, ttl_s=action.ttl_s)
-        if action.continuation_id is not None:
-            payload["continuation_id"] = action.continuation_id
-    elif isinstance(action, Demote):
-        kind = "kv.demote"
-    elif isinstance(action, Release):
-        kind = "kv.release"
-    else:  # pragma: no cover - Directive is exactly these three
-        raise TypeError(f"not a directive: {action!r}")
-    return {
-        "protocol_version": PROTOCOL_VERSION,
-        "message_id": message_id,
-        "actions": [{"action_id": f"{message_id}.0", "action_type": kind,
-                     "action_version": ACTION_VERSION, "payload": payload}],
-    }
 
 
 class ZmqDirectiveSink(DirectiveSink):

@@ -14,7 +14,8 @@ log() { echo "[setup_vllm_venv] $*"; }
 
 install_plugin() {
     # The Sluice engine plugin (controller/vllm_plugin), registered under the
-    # vllm.general_plugins entry point; it imports only the stdlib and what vLLM brings.
+    # vllm.general_plugins entry point; it imports only the stdlib, what vLLM brings and
+    # scheduler.directive_envelope (stdlib only) from this repository.
     # Checked from / so that a checkout's own egg-info in the current directory does not count.
     if (cd / && "${PY}" -c 'import sys; from importlib.metadata import entry_points; sys.exit(0 if any(e.name == "sluice" for e in entry_points(group="vllm.general_plugins")) else 1)') >/dev/null 2>&1; then
         return

@@ -20,7 +20,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from controller.vllm_plugin.directives import parse_envelope
+from scheduler.directive_envelope import parse_envelope
 from sim.block_pool import BlockPool
 
 

@@ -8,7 +8,7 @@ import json
 import zmq
 from gateway_harness import chat, fakes, free_port, gateway, serve_config
 
-from controller.vllm_plugin.directives import parse_envelope
+from scheduler.directive_envelope import parse_envelope
 
 
 def _envelopes_for_call(headers: dict[str, str]) -> tuple[list[dict], str]:

@@ -93,7 +93,7 @@ def test_sluice_serve_reloads_on_sighup(tmp_path):
         port = free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", "serve", "--config", str(path), "--port", str(port)],
+            [sys.executable, "-m", "entry.cli", "serve", "--config", str(path), "--port", str(port)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         try:
@@ -136,7 +136,7 @@ def test_sluice_serve_reloads_on_sighup(tmp_path):
 def test_serve_rejects_a_bad_config_naming_the_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("workers:\n  - name: w0\n    url: ftp://nowhere\npolicy:\n  pause_target: 7\n")
-    proc = subprocess.run([sys.executable, "-m", "controller.cli", "serve", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "entry.cli", "serve", "--config", str(path)],
                           cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "workers.0.url" in proc.stderr and "policy.pause_target" in proc.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controller.cli import app
+from entry.cli import app
 from sim.step_time import presets
 
 SUMMARY_KEYS = {"policy", "output_tokens_per_s", "steps_per_min", "hit_rate", "reprefill_tokens",

@@ -448,7 +448,7 @@ def free_port() -> int:
 def test_sluice_simworker_command_serves_the_api_metrics_and_kv_events(zctx):
     port, kv = free_port(), free_port()
     sluice = Path(sys.executable).with_name("sluice")
-    command = [str(sluice)] if sluice.exists() else [sys.executable, "-m", "controller.cli"]
+    command = [str(sluice)] if sluice.exists() else [sys.executable, "-m", "entry.cli"]
     process = subprocess.Popen(
         command + ["simworker", "--port", str(port), "--blocks", "128", "--block-size", "32",
                    "--kv-events", f"tcp://*:{kv}", "--time-scale", "0.05", "--name", "cli"],

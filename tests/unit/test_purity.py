@@ -112,3 +112,28 @@ def test_the_core_has_source_files_to_check():
     names = {p.name for p in _source_files()}
     assert {"coordinates.py", "calls.py", "programs.py", "kv_events.py", "kv_index.py",
             "ledger.py", "config.py", "actions.py"} <= names
+
+
+# -- one way: core ← shells ← entry points -------------------------------------------------------
+
+# What each package may import of the project's own packages (DESIGN.md §1: the shells never
+# import each other; only the entry points compose both).
+ALLOWED_PROJECT_IMPORTS = {
+    "scheduler": {"scheduler"},
+    "controller": {"scheduler", "controller"},
+    "sim": {"scheduler", "sim"},
+    "entry": {"scheduler", "controller", "sim", "entry"},
+}
+
+
+def _package_sources(package: str) -> list[Path]:
+    return sorted((REPO_ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED_PROJECT_IMPORTS))
+def test_dependencies_point_one_way(package):
+    project = set(ALLOWED_PROJECT_IMPORTS)
+    for path in _package_sources(package):
+        used = _imported_roots(path.read_text(encoding="utf-8")) & project
+        wrong = used - ALLOWED_PROJECT_IMPORTS[package]
+        assert not wrong, f"{path.relative_to(REPO_ROOT)} imports {sorted(wrong)}"

@@ -27,7 +27,7 @@ import anyio
 import httpx
 import yaml
 
-from controller.agent_client import AgentClient
+from entry.agent_client import AgentClient
 from sim.workloads import LogNormal, SwebenchWorkload
 
 ADMIN_TOKEN = "sluice-demo-admin-token"
@@ -96,7 +96,7 @@ class _Fleet:
     def _spawn(self, name: str, args: list[str]) -> None:
         log = self.workdir / f"{self.policy}-{name}.log"
         handle = log.open("wb")
-        process = subprocess.Popen([sys.executable, "-m", "controller.cli", *args],
+        process = subprocess.Popen([sys.executable, "-m", "entry.cli", *args],
                                    stdout=handle, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.processes.append((name, process, log))

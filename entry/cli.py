@@ -115,7 +115,7 @@ def demo(
                                    help="Wall-clock seconds of load per policy."),
     seed: int = typer.Option(7, "--seed", help="Workload seed (tool times, lengths, turns)."),
 ) -> None:
-    from controller.live_demo import DEFAULT_POLICIES, DemoSetup, run_demo
+    from entry.live_demo import DEFAULT_POLICIES, DemoSetup, run_demo
     from scheduler.policies import POLICIES
 
     names = tuple(policy) if policy else DEFAULT_POLICIES
