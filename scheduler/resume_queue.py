@@ -28,6 +28,8 @@ class ResumeQueue:
         self._demand: dict[str, int] = {}
         self._order: list[tuple[int, float, str]] = []
         self._smallest: list[tuple[int, str]] = []  # lazy min-heap of (demand, session)
+        # lazy max-heap of (-demand, session) over programs with a call waiting
+        self._largest_waiting: list[tuple[int, str]] = []
         self._with_calls = 0
 
     def __len__(self) -> int:
@@ -54,6 +56,11 @@ class ResumeQueue:
             heapq.heapify(self._smallest)
         if group != IDLE:
             self._with_calls += 1
+            heapq.heappush(self._largest_waiting, (-demand, session))
+            if len(self._largest_waiting) > 4 * self._with_calls + 64:
+                self._largest_waiting = [(-self._demand[s], s) for s, key in self._keys.items()
+                                         if key[0] != IDLE]
+                heapq.heapify(self._largest_waiting)
 
     def discard(self, session: str) -> None:
         key = self._keys.pop(session, None)
@@ -69,6 +76,17 @@ class ResumeQueue:
         while heap and self._demand.get(heap[0][1]) != heap[0][0]:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
+
+    def largest_waiting_demand(self) -> int | None:
+        """The largest demand among programs with a call waiting (groups WAITING and NEW)."""
+        heap = self._largest_waiting
+        while heap:
+            demand, session = -heap[0][0], heap[0][1]
+            key = self._keys.get(session)
+            if key is not None and key[0] != IDLE and self._demand[session] == demand:
+                return demand
+            heapq.heappop(heap)
+        return None
 
     def in_order(self) -> Iterator[tuple[str, int]]:
         """(session, demand) in resume order; a snapshot, safe to change the queue while iterating."""

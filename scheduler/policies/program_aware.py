@@ -215,14 +215,21 @@ class ProgramAwarePolicy(Policy):
         actions: list[Action] = []
         heap = self._wait_deadlines
         retry: list[tuple[float, str]] = []
+        room: dict[str, float] | None = None  # kept across this tick's forced resumes
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             call = self.calls.get(entry[1])
             if call is None or call.worker is not None:
                 continue  # admitted or gone
             program = self.programs[call.session_id]
-            resumed = self._force_resume(program, now)
+            if room is None:
+                room = self._free_room()
+            resumed = self._force_resume(program, now, room)
             if resumed:
+                worker = program.home_worker
+                if worker in room:  # only its worker's room changed
+                    capacity = self.ledger.worker(worker).capacity_tokens
+                    room[worker] = capacity - self.ledger.load_tokens(worker)
                 self.stats.wait_limit_resumes += 1
                 actions += resumed
             else:
@@ -299,6 +306,9 @@ class ProgramAwarePolicy(Policy):
                       default=0)
         if not largest:
             return []  # no worker takes programs: nothing to reserve
+        biggest = self._queue.largest_waiting_demand()
+        if biggest is None or biggest + self.config.buffer_per_program <= limit * largest:
+            return []  # every waiting program fits somewhere: no need to walk the queue
         for session, demand in self._queue.in_order():
             program = self.programs[session]
             if not program.waiting:
@@ -354,10 +364,13 @@ class ProgramAwarePolicy(Policy):
                 best, best_u = load.name, u
         return best
 
-    def _force_resume(self, program: Program, now: float) -> list[Action]:
+    def _force_resume(self, program: Program, now: float,
+                      room: dict[str, float] | None = None) -> list[Action]:
+        """``room``: each accepting worker's free tokens, when the caller keeps them (a tick
+        that forces many resumes would otherwise re-sum every worker for each)."""
         worker = program.home_worker
         if worker is None or not self.ledger.worker(worker).accepts_programs:
-            worker = self._emptiest_worker()
+            worker = self._emptiest_worker(room)
         if worker is None:
             return []
         if program.pending and not program.waiting:
@@ -539,13 +552,16 @@ class ProgramAwarePolicy(Policy):
                 best = max(best, limit * load.capacity_tokens - self.ledger.load_tokens(load.name))
         return best
 
-    def _emptiest_worker(self) -> str | None:
+    def _free_room(self) -> dict[str, float]:
+        """Free tokens of each worker that takes programs, in the ledger's order."""
+        return {load.name: load.capacity_tokens - self.ledger.load_tokens(load.name)
+                for load in self.ledger.workers() if load.accepts_programs}
+
+    def _emptiest_worker(self, room: dict[str, float] | None = None) -> str | None:
         best, best_free = None, -math.inf
-        for load in self.ledger.workers():
-            if load.accepts_programs:
-                free = load.capacity_tokens - self.ledger.load_tokens(load.name)
-                if free > best_free:
-                    best, best_free = load.name, free
+        for name, free in (room if room is not None else self._free_room()).items():
+            if free > best_free:
+                best, best_free = name, free
         return best
 
     def _demand_when_resumed(self, program: Program) -> int:
