@@ -5,7 +5,7 @@ A ZMQ PULL socket (bound if the endpoint holds ``*`` or ``::`` or is ``ipc://`` 
 ``inproc://``, else connected, like the KV-event sockets) receives KvHint envelopes from the
 gateway's directive sender and applies ``kv.retain`` / ``kv.demote`` / ``kv.release`` to the
 engine's block pool, whose retention classes are the plugin's (the fidelity test keeps them
-equal). Envelopes are parsed by the plugin's own :func:`parse_envelope`, so both engines accept
+equal). Envelopes are parsed by the plugin's parser (:mod:`scheduler.directive_envelope`), so both engines accept
 and reject exactly the same input. Directives run on the event loop between engine
 iterations, as the plugin applies them between scheduler steps; a TTL counts in virtual time
 from arrival. A malformed envelope is dropped, counted and logged; nothing here stops the
