@@ -16,13 +16,12 @@ workers, which Continuum (a single-engine scheduler) leaves open, is sticky leas
 
 from __future__ import annotations
 
-from collections import deque
-
 from scheduler.actions import Action, Admit, Decision, Retain
 from scheduler.config import PolicyConfig
 from scheduler.programs import Program
 from scheduler.policies.base import Call
 from scheduler.policies.routing import StickyLeastLoadedPolicy
+from scheduler.tool_times import ToolTimes
 
 MIN_SAMPLES = 20
 HISTORY = 1000
@@ -33,11 +32,11 @@ class ContinuumPolicy(StickyLeastLoadedPolicy):
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(config)
-        self._tool_times: deque[float] = deque(maxlen=HISTORY)
+        self._tool_times = ToolTimes(HISTORY, MIN_SAMPLES)
 
     def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
         if program.acting_since is not None and program.steps > 0:
-            self._tool_times.append(now - program.acting_since)
+            self._tool_times.observe(now - program.acting_since)
         decision = super().decide_arrival(program, call, now)
         if isinstance(decision, Admit):
             # FCFS by program: the engine orders calls by when their program arrived.
@@ -46,11 +45,10 @@ class ContinuumPolicy(StickyLeastLoadedPolicy):
 
     def ttl_s(self) -> float:
         baselines = self.config.baselines
-        if len(self._tool_times) < MIN_SAMPLES:
+        quantile = self._tool_times.quantile(baselines.continuum_ttl_quantile)
+        if quantile is None:
             return baselines.continuum_ttl_s
-        ordered = sorted(self._tool_times)
-        index = min(len(ordered) - 1, int(baselines.continuum_ttl_quantile * len(ordered)))
-        return min(baselines.continuum_max_ttl_s, ordered[index])
+        return min(baselines.continuum_max_ttl_s, quantile)
 
     def after_call(self, program: Program, now: float) -> list[Action]:
         if program.in_flight or program.home_worker is None:
