@@ -13,6 +13,16 @@ carries out what comes back; it decides nothing itself.
   ``Pause``/``Resume``/``Mark`` are logged (the policy counts them in ``policy.stats``).
 - A waiter cancelled (its client went away) is aborted in the policy: a held call simply
   disappears, one admitted meanwhile ends without usage.
+- Bounds (``limits:``): a call that would start a program past ``max_programs``, or be held
+  past ``max_held_calls``, is refused with 429; one held ``max_hold_s`` gets 503. Both carry
+  ``Retry-After`` and are counted in :attr:`Admission.refusals`.
+- A policy error is that call's failure, never a silent divergence: the exception is
+  logged with its context and counted (:attr:`Admission.core_errors`), and the shell then
+  reconciles its view with the policy's (:meth:`Admission.disagreements` lists what differs):
+  a waiter the policy dispatched without saying so is woken, one the policy forgot is
+  refused with 500, a call the policy tracks but the shell does not is aborted in the policy.
+  An arrival that fails is a 500; a completion that fails still delivers the answer, which
+  is already computed, and the call is retired.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from typing import Any
 
 import anyio
 
-from controller.errors import UNAVAILABLE, GatewayError
+from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
+from controller.serve_config import LimitsConfig
 from scheduler.actions import Action, Admit, Demote, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
@@ -79,15 +90,20 @@ class _Waiter:
 
 class Admission:
     def __init__(self, policy: Policy, *, clock: Callable[[], float], log: Any,
-                 sink: DirectiveSink | None = None) -> None:
+                 sink: DirectiveSink | None = None, limits: LimitsConfig | None = None) -> None:
         self.policy = policy
         self._clock = clock
         self._log = log
         self.sink = sink if sink is not None else DirectiveSink(log)
+        self.limits = limits if limits is not None else LimitsConfig()
         self._lock = anyio.Lock()
         self._waiters: dict[str, _Waiter] = {}
+        # Calls admitted to a worker whose completion or abort the policy has not heard yet.
+        self._dispatched: set[str] = set()
         self._tick_after = getattr(policy, "ticks_after_completion", True)
         self._adaptive_logged: dict[str, float] = {}
+        self.refusals: dict[str, int] = {"max_programs": 0, "max_held_calls": 0, "max_hold_s": 0}
+        self.core_errors: dict[str, int] = {}
 
     @property
     def held(self) -> int:
@@ -96,53 +112,90 @@ class Admission:
     # -- calls -------------------------------------------------------------------------
 
     async def arrive(self, request: CallRequest) -> Admitted:
-        """Admit ``request`` now or wait until the policy admits it. Raises GatewayError
-        (503) when its program is released while it waits. Cancelling the wait (the client
-        went away) aborts the call in the policy."""
+        """Admit ``request`` now or wait until the policy admits it. Raises GatewayError:
+        429 past ``max_programs`` / ``max_held_calls``, 503 when its program is released
+        while it waits or it waited ``max_hold_s``, 500 when the policy fails on it.
+        Cancelling the wait (the client went away) aborts the call in the policy."""
+        limits = self.limits
         async with self._lock:
             now = self._clock()
-            decision = self.policy.on_arrival(request, now)
+            if (not self.policy.has_program(request.session_id)
+                    and self.policy.program_count() >= limits.max_programs):
+                raise self._refuse("max_programs", 429, f"the gateway tracks {limits.max_programs} "
+                                   "programs, its limit (limits.max_programs); retry later")
+            try:
+                decision = self.policy.on_arrival(request, now)
+            except Exception as err:
+                self._core_failed("on_arrival", err, now, request_id=request.request_id,
+                                  session_id=request.session_id)
+                raise GatewayError(500, "internal error in the scheduling policy; the call was "
+                                   "not run", INTERNAL) from None
             if isinstance(decision, Admit):
+                self._dispatched.add(request.request_id)
                 return Admitted(decision.worker, decision.priority, decision.resumed, 0.0)
+            if len(self._waiters) >= limits.max_held_calls:
+                self._forget(request.request_id, now)
+                raise self._refuse("max_held_calls", 429, f"{limits.max_held_calls} calls are "
+                                   "held already, the limit (limits.max_held_calls); retry later")
             waiter = _Waiter(request, now)
             self._waiters[request.request_id] = waiter
             self._log.info("call held", request_id=request.request_id,
                            session_id=request.session_id, reason=decision.reason)
         try:
-            await waiter.event.wait()
+            with anyio.move_on_after(limits.max_hold_s):
+                await waiter.event.wait()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._abandon(waiter)
             raise
+        if waiter.outcome is None:  # held max_hold_s (unless admitted while we took the lock)
+            with anyio.CancelScope(shield=True):
+                gave_up = await self._give_up(waiter)
+            if gave_up:
+                raise self._refuse("max_hold_s", 503, f"the call was held {limits.max_hold_s:g} s "
+                                   "without room on any worker (limits.max_hold_s); retry later")
         outcome = waiter.outcome
         if isinstance(outcome, GatewayError):
             raise outcome
-        assert outcome is not None
         return outcome
+
+    def _refuse(self, limit: str, status: int, message: str) -> GatewayError:
+        self.refusals[limit] += 1
+        self._log.warning("call refused", limit=limit, status=status)
+        return GatewayError(status, message, RATE_LIMITED if status == 429 else UNAVAILABLE,
+                            retry_after_s=self.limits.retry_after_s)
 
     async def complete(self, request_id: str, usage: Usage) -> None:
         async with self._lock:
             now = self._clock()
+            self._dispatched.discard(request_id)
             try:
                 actions = self.policy.on_complete(request_id, usage, now)
             except UnknownCall:
                 self._log.error("completion of an unknown call", request_id=request_id)
                 return
+            except Exception as err:
+                self._core_failed("on_complete", err, now, request_id=request_id)
+                return
             if self._tick_after:
-                actions += self.policy.tick(now)
+                actions += self._tick(now)
             self._carry_out(actions, now)
 
     async def abort(self, request_id: str) -> None:
         """A dispatched call ended without a usable response (error or disconnect)."""
         async with self._lock:
             now = self._clock()
+            self._dispatched.discard(request_id)
             try:
                 actions = self.policy.on_abort(request_id, now)
             except UnknownCall:
                 self._log.error("abort of an unknown call", request_id=request_id)
                 return
+            except Exception as err:
+                self._core_failed("on_abort", err, now, request_id=request_id)
+                return
             if self._tick_after:
-                actions += self.policy.tick(now)
+                actions += self._tick(now)
             self._carry_out(actions, now)
 
     async def _abandon(self, waiter: _Waiter) -> None:
@@ -154,6 +207,8 @@ class Admission:
                 return  # refused: the policy dropped it already
             if outcome is None:
                 self._waiters.pop(request_id, None)
+            else:
+                self._dispatched.discard(request_id)
             self._log.info("client left", request_id=request_id,
                            session_id=waiter.request.session_id,
                            state="held" if outcome is None else "admitted")
@@ -162,16 +217,90 @@ class Admission:
             except UnknownCall:
                 self._log.error("abort of an unknown call", request_id=request_id)
                 return
+            except Exception as err:
+                self._core_failed("on_abort", err, now, request_id=request_id)
+                return
             if outcome is not None and self._tick_after:
-                actions += self.policy.tick(now)
+                actions += self._tick(now)
             self._carry_out(actions, now)
+
+    async def _give_up(self, waiter: _Waiter) -> bool:
+        """Stop holding a call that waited too long; False when it was admitted or refused
+        meanwhile (then its outcome stands)."""
+        async with self._lock:
+            if waiter.outcome is not None:
+                return False
+            del self._waiters[waiter.request.request_id]
+            self._forget(waiter.request.request_id, self._clock())
+            return True
+
+    def _forget(self, request_id: str, now: float) -> None:
+        """Take a call the shell will not carry out back out of the policy."""
+        try:
+            self._carry_out(self.policy.on_abort(request_id, now), now)
+        except UnknownCall:
+            pass  # the policy never recorded it: nothing to take back
+        except Exception as err:
+            self._core_failed("on_abort", err, now, request_id=request_id)
+
+    # -- policy errors ---------------------------------------------------------------------
+
+    def _tick(self, now: float) -> list[Action]:
+        try:
+            return self.policy.tick(now)
+        except Exception as err:
+            self._core_failed("tick", err, now)
+            return []
+
+    def _core_failed(self, operation: str, err: BaseException, now: float, **context: Any) -> None:
+        """Count and log a policy error, then make the shell and the policy agree again."""
+        self.core_errors[operation] = self.core_errors.get(operation, 0) + 1
+        self._log.error("policy error", operation=operation, policy=self.policy.name,
+                        programs=self.policy.program_count(), held=self.held,
+                        exc_info=err, **context)
+        self._reconcile(now)
+
+    def _reconcile(self, now: float) -> None:
+        tracked = self.policy.call_workers()
+        for request_id, waiter in list(self._waiters.items()):
+            if request_id not in tracked:
+                del self._waiters[request_id]
+                waiter.outcome = GatewayError(500, "internal error in the scheduling policy; "
+                                              "the call was not run", INTERNAL)
+                waiter.event.set()
+            elif tracked[request_id] is not None:
+                # Dispatched inside the policy, but the Admit was lost with the error.
+                self._wake(Admit(request_id, waiter.request.session_id, tracked[request_id],
+                                 waiter.held_at), now)
+        self._dispatched &= tracked.keys()
+        for request_id in tracked.keys() - self._waiters.keys() - self._dispatched:
+            try:
+                self.policy.on_abort(request_id, now)
+            except Exception:
+                # Counted once more and left: reconciling a policy that keeps failing
+                # would loop; the disagreement stays visible in disagreements().
+                self.core_errors["on_abort"] = self.core_errors.get("on_abort", 0) + 1
+                self._log.exception("policy error while reconciling", request_id=request_id)
+
+    def disagreements(self) -> list[str]:
+        """Where the shell's view of the calls differs from the policy's (empty when they
+        agree): every held call is held in the policy, every dispatched one dispatched
+        there, and the policy tracks no call the shell does not."""
+        tracked = self.policy.call_workers()
+        problems = [f"{rid}: held here, " + ("unknown" if rid not in tracked else "dispatched")
+                    + " in the policy" for rid in self._waiters if tracked.get(rid, "?") is not None]
+        problems += [f"{rid}: dispatched here, " + ("unknown" if rid not in tracked else "held")
+                     + " in the policy" for rid in self._dispatched if tracked.get(rid) is None]
+        problems += [f"{rid}: tracked by the policy only"
+                     for rid in tracked.keys() - self._waiters.keys() - self._dispatched]
+        return problems
 
     # -- periodic and operator actions ---------------------------------------------------
 
     async def tick(self) -> None:
         async with self._lock:
             now = self._clock()
-            self._carry_out(self.policy.tick(now), now)
+            self._carry_out(self._tick(now), now)
             self._log_adaptive_changes()
 
     def _log_adaptive_changes(self) -> None:
@@ -202,7 +331,7 @@ class Admission:
                 return False
             now = self._clock()
             actions = self.policy.release(session_id, now, reason)
-            actions += self.policy.tick(now)
+            actions += self._tick(now)
             self._carry_out(actions, now)
             return True
 
@@ -216,14 +345,14 @@ class Admission:
                 # are gone until its first new KV event. Under-counting a cache that did
                 # survive only costs a prefix hit; the events that follow rebuild it.
                 self.policy.reset_worker_kv(worker)
-            actions += self.policy.tick(now)
+            actions += self._tick(now)
             self._carry_out(actions, now)
 
     async def set_capacity(self, worker: str, capacity_tokens: int) -> None:
         async with self._lock:
             now = self._clock()
             self.policy.set_capacity(worker, capacity_tokens)
-            self._carry_out(self.policy.tick(now), now)
+            self._carry_out(self._tick(now), now)
 
     async def observe_kv(self, worker: str, batch: EventBatch) -> None:
         """Feed one decoded KV-event batch to the policy's index."""
@@ -269,6 +398,7 @@ class Admission:
             return
         waiter.outcome = Admitted(action.worker, action.priority, action.resumed,
                                   max(0.0, now - waiter.held_at))
+        self._dispatched.add(action.request_id)
         waiter.event.set()
 
     def _refuse_held(self, action: Release) -> None:

@@ -25,6 +25,7 @@ UPSTREAM = "upstream_error"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
+RATE_LIMITED = "rate_limit_error"
 MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model it does not serve
 
 ANTHROPIC_ROUTE_PREFIX = "/v1/messages"
@@ -60,13 +61,22 @@ class GatewayError(Exception):
     """An error that becomes a JSON response with ``status``."""
 
     def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        # Sent as ``Retry-After`` (whole seconds, RFC 9110 §10.2.3) on a 429 or 503 the
+        # client should simply try again later: SDKs (openai, anthropic) honour it.
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        """Headers the error adds to its response."""
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(self.retry_after_s)}
 
     def body(self, path: str | None = None) -> dict:
         """The JSON body, in the shape of the API that ``path`` belongs to (OpenAI's when
@@ -90,7 +100,8 @@ class GatewayError(Exception):
 
     def response(self, headers: dict[str, str] | None = None,
                  path: str | None = None) -> JSONResponse:
-        return JSONResponse(self.body(path), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(path), status_code=self.status,
+                            headers={**self.headers(), **(headers or {})})
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,

@@ -156,7 +156,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     if directive_sink is None and any(worker.directives for worker in config.workers):
         # Retention directives to the engines' Sluice plugin (controller/directives.py)
         directive_sink = ZmqDirectiveSink(config.workers, log)
-    admission = Admission(policy, clock=clock, log=log, sink=directive_sink)
+    admission = Admission(policy, clock=clock, log=log, sink=directive_sink, limits=config.limits)
     pool = UpstreamPool(config.workers, config.upstream)
     workers = WorkerRegistry(config, pool, admission, log, wall_clock)
     metrics = Metrics(admission)
@@ -663,7 +663,9 @@ class _ProxyCall(Response):
             return
         body = _encode(err.body(self.route))
         self.finished = True
-        await self._start(err.status, [(b"content-type", b"application/json"),
-                                       (b"content-length", str(len(body)).encode())])
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        headers += [(name.encode(), value.encode()) for name, value in err.headers().items()]
+        await self._start(err.status, headers)
         await self._body(body, more=False)
         self.g.parts.metrics.requests.labels(self.route, str(err.status)).inc()

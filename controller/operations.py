@@ -90,6 +90,19 @@ class _PolicyCollector(Collector):
         yield adaptive
         yield GaugeMetricFamily("sluice_calls_held", "Calls waiting in the gateway now.",
                                 value=self._admission.held)
+        refusals = CounterMetricFamily(
+            "sluice_limit_refusals", "Calls refused by a bound of limits: (429 or 503 with "
+            "Retry-After), by limit.", labels=["limit"])
+        for limit, n in sorted(self._admission.refusals.items()):
+            refusals.add_metric([limit], n)
+        yield refusals
+        core_errors = CounterMetricFamily(
+            "sluice_core_errors", "Exceptions raised by the scheduling policy, by operation "
+            "(on_arrival, on_complete, on_abort, tick); each fails at most its own call.",
+            labels=["operation"])
+        for operation in ("on_arrival", "on_complete", "on_abort", "tick"):
+            core_errors.add_metric([operation], self._admission.core_errors.get(operation, 0))
+        yield core_errors
         util = GaugeMetricFamily("sluice_worker_utilization",
                                  "U of each worker (the policy's ledger); absent while its capacity is unknown.",
                                  labels=["worker"])

@@ -61,6 +61,23 @@ class UpstreamConfig(_Strict):
     pool_shards: Annotated[int, Field(ge=1, le=64)] = 8
 
 
+class LimitsConfig(_Strict):
+    """Bounds on what the gateway keeps for its clients; a call past one is refused with
+    ``Retry-After`` (and counted in ``sluice_limit_refusals_total``) instead of growing
+    memory or a wait without end."""
+
+    # Programs (sessions) tracked at once: a call that would start one more is a 429.
+    max_programs: Annotated[int, Field(ge=1)] = 100_000
+    # Calls held at once: a call the policy would hold past this is a 429.
+    max_held_calls: Annotated[int, Field(ge=1)] = 10_000
+    # Longest a held call waits for admission before it gets a 503. The policy's own
+    # ``max_wait_s`` (program_aware: 60 s) normally admits it long before; this bounds
+    # policies without one and a fleet with no room at all.
+    max_hold_s: Seconds = 600.0
+    # Seconds a refused client is told to wait (``Retry-After``).
+    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 5
+
+
 def _check_url(value: str, schemes: tuple[str, ...], what: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in schemes or not parts.netloc:
@@ -148,6 +165,11 @@ class ServeConfig(_Strict):
     # here: "priority" (vLLM's scheduling priority), "vllm_xargs" (every key inside it) or
     # "vllm_xargs.<key>" (that one key). Clients must not outrank the policy by default.
     forward_client_keys: list[str] = []
+    limits: LimitsConfig = LimitsConfig()
+    # On SIGTERM/Ctrl-C: stop accepting, let calls in progress finish for this long, then
+    # end what is left (a stream gets an SSE error event, a held call a 503). Long enough
+    # for one agent turn by default.
+    shutdown_grace_s: Annotated[float, Field(ge=0.0)] = 120.0
     log_level: str = "info"
     upstream: UpstreamConfig = UpstreamConfig()
     # -- KV-event subscriber (controller/subscriber.py) --
@@ -171,6 +193,19 @@ class ServeConfig(_Strict):
         if level not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"must be one of debug, info, warning, error, critical, got {value!r}")
         return level
+
+    @field_validator("forward_client_keys")
+    @classmethod
+    def _engine_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if key in ("priority", "vllm_xargs"):
+                continue
+            head, dot, sub = key.partition(".")
+            if head == "vllm_xargs" and dot and sub:
+                continue
+            raise ValueError(f"{key!r} is not an engine key Sluice strips; name \"priority\", "
+                             "\"vllm_xargs\" or \"vllm_xargs.<key>\"")
+        return keys
 
     @field_validator("kv_events_bind")
     @classmethod

@@ -248,6 +248,17 @@ class Policy(ABC):
     def healthy_workers(self) -> list[str]:
         return [load.name for load in self.ledger.workers() if load.healthy]
 
+    def has_program(self, session_id: SessionId) -> bool:
+        return session_id in self.programs
+
+    def program_count(self) -> int:
+        return len(self.programs)
+
+    def call_workers(self) -> dict[str, str | None]:
+        """Every call the policy tracks → its worker (None while held): what a shell checks
+        its own view against after a policy error."""
+        return {request_id: call.worker for request_id, call in self.calls.items()}
+
     def held_calls(self) -> Iterable[Call]:
         return (call for call in self.calls.values() if call.worker is None)
 
