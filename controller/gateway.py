@@ -34,7 +34,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import anyio
@@ -50,6 +50,7 @@ from starlette.types import Receive, Scope, Send
 
 from controller.admission import Admission, Admitted, DirectiveSink
 from controller.directives import ZmqDirectiveSink
+from controller.drain import Drain
 from controller.errors import (
     INTERNAL,
     INVALID_REQUEST,
@@ -141,6 +142,7 @@ class Parts:
     log: Any
     models: ModelCatalog
     kv_events: KvEventSubscriber | None = None  # the KV-event subscriber (controller/subscriber.py)
+    drain: Drain = field(default_factory=lambda: Drain(0.0))  # graceful shutdown (controller/drain.py)
 
 
 def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monotonic,
@@ -166,13 +168,15 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     kv_events = KvEventSubscriber(config, admission, log)
     metrics.watch_kv_events(kv_events)
     parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
-                  ResponseSessions(), log, ModelCatalog(config, pool, workers, log), kv_events)
+                  ResponseSessions(), log, ModelCatalog(config, pool, workers, log), kv_events,
+                  Drain(config.shutdown_grace_s))
     gateway = _Gateway(parts, clock, wall_clock)
     admin = AdminApi(config.resolved_admin_token(), admission, workers, reloader, clock)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
         request_log.open()
+        parts.drain.open()
         log.info("gateway starting", policy=policy.name, workers=[w.name for w in config.workers],
                  config=str(config.path) if config.path else None)
         try:
@@ -190,6 +194,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
                 await pool.aclose()
                 await admission.sink.aclose()
             request_log.close()
+            parts.drain.close()
             log.info("gateway stopped")
 
     routes = [Route(path, gateway.proxy, methods=["POST"]) for path in sorted(ROUTES)]

@@ -137,6 +137,20 @@ class WorkerRegistry:
             for state in self.states.values():
                 tg.start_soon(self.check_health, state)
 
+    async def mark_unreachable(self, worker: str, problem: str) -> None:
+        """A call found the worker refusing connections: take it out now rather than after
+        ``unhealthy_after`` failed checks (calls keep arriving meanwhile). The health loop
+        brings it back once ``/health`` answers again."""
+        state = self.states[worker]
+        state.failures = max(state.failures, self._config.unhealthy_after)
+        state.last_error = problem
+        if not state.healthy:
+            return
+        state.healthy = False
+        await self._admission.set_worker_health(worker, False)
+        self._log.warning("worker unreachable; taken out at once, its programs re-homed",
+                          worker=worker, problem=problem)
+
     async def check_health(self, state: WorkerState) -> None:
         client = self._pool.client(state.name)
         timeout = min(self._config.health_interval_s, HEALTH_TIMEOUT_CAP_S)

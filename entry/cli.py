@@ -132,7 +132,8 @@ def demo(
 @app.command(
     "serve",
     help="Run the gateway: the OpenAI/Anthropic-compatible proxy that admits programs onto the "
-    "workers listed in the config (see configs/example.yaml). Stops cleanly on Ctrl-C / SIGTERM; "
+    "workers listed in the config (see configs/example.yaml). On Ctrl-C / SIGTERM it stops "
+    "accepting and gives calls in progress shutdown_grace_s to finish; "
     "reloads the policy thresholds on SIGHUP or when the file changes.",
 )
 def serve(
@@ -141,9 +142,8 @@ def serve(
     port: Optional[int] = typer.Option(None, "--port", min=0, max=65535,
                                        help="Override listen.port from the file."),
 ) -> None:
-    import uvicorn
-
     from controller.gateway import create_app
+    from controller.server import run_gateway
     from controller.serve_config import load_serve_config
     from scheduler.config import ConfigError
 
@@ -154,8 +154,7 @@ def serve(
     listen_host = host or settings.listen.host
     listen_port = settings.listen.port if port is None else port
     app_ = create_app(settings)
-    uvicorn.run(app_, host=listen_host, port=listen_port, log_level="warning",
-                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    run_gateway(app_, listen_host, listen_port)
 
 
 def _register_simulator_commands() -> None:

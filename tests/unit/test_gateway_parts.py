@@ -42,6 +42,11 @@ def test_example_yaml_loads_and_its_gateway_keys_are_the_defaults():
     ({"workers": [WORKER], "policy": {"pause_threshold": 9}}, ["policy.pause_threshold"]),
     ({"workers": [WORKER], "polcy": {}}, ["polcy"]),
     ({"workers": [{"name": "w", "url": "ftp://x"}], "policy": {"bogus": 1}}, ["policy.bogus", "workers.0.url"]),
+    ({"workers": [WORKER], "forward_client_keys": ["priorty"]}, ["forward_client_keys"]),
+    ({"workers": [WORKER], "forward_client_keys": ["vllm_xargs."]}, ["forward_client_keys"]),
+    ({"workers": [WORKER], "limits": {"max_hold_s": 0, "max_programs": 0}},
+     ["limits.max_hold_s", "limits.max_programs"]),
+    ({"workers": [WORKER], "shutdown_grace_s": -1}, ["shutdown_grace_s"]),
 ])
 def test_config_errors_name_every_offending_key(data, keys):
     with pytest.raises(ConfigError) as err:
