@@ -41,4 +41,9 @@ def server_config(app: Any, host: str, port: int, grace_s: float) -> uvicorn.Con
 def run_gateway(app: Any, host: str, port: int) -> None:
     """Serve ``app`` (from :func:`controller.gateway.create_app`) until SIGTERM/SIGINT."""
     drain: Drain = app.state.sluice.drain
-    DrainingServer(server_config(app, host, port, drain.grace_s), drain).run()
+    try:
+        DrainingServer(server_config(app, host, port, drain.grace_s), drain).run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it captured once it has shut down; as uvicorn.run
+        # does, a Ctrl-C that ended a clean shutdown is a normal exit.
+        pass
