@@ -81,7 +81,10 @@ class _Block:
         self.continuation = continuation
         # sessions that stored or touched this block, in first-touch order
         self.sessions: dict[str, None] = {}
-        # how many of ``sessions`` are currently counted on the worker
+        # how many of ``sessions`` are currently counted on the worker; kept only once a
+        # second session holds the block (a block of one session shares nothing, so
+        # counting it or not changes no total: pausing a program then costs its shared
+        # blocks, not all of them)
         self.counted = 0
         # resident blocks whose parent is this hash; -1 once removed
         self.children = 0
@@ -94,7 +97,9 @@ class WorkerKV:
     """One worker's resident blocks and the per-session views derived from them.
 
     Invariants: ``session_tokens[s] == sum(b.tokens for b in blocks if s in b.sessions)``;
-    ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks)``;
+    ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks if len(b.sessions) > 1)``,
+    where ``b.counted`` is the number of counted sessions of ``b`` (kept for those blocks only);
+    ``shared_blocks[s]`` holds exactly the blocks of ``s`` that another session holds too;
     ``children(h) == sum(1 for b in blocks if b.parent == h)``, kept in ``blocks[h].children``
     for a resident ``h``, else in ``holes[h]`` or ``_orphans[h]`` (disjoint; zero counts absent).
     """
@@ -103,6 +108,7 @@ class WorkerKV:
         self.blocks: dict[BlockHash, _Block] = {}
         self.session_tokens: dict[str, int] = {}
         self.session_blocks: dict[str, dict[BlockHash, None]] = {}
+        self.shared_blocks: dict[str, dict[BlockHash, None]] = {}
         self.continuation_blocks: dict[str, dict[BlockHash, None]] = {}
         self.counted: dict[str, None] = {}
         self.shared_tokens = 0
@@ -172,10 +178,21 @@ class WorkerKV:
     def _touch(self, block_hash: BlockHash, block: _Block, session: str) -> None:
         if session in block.sessions:
             return
-        block.sessions[session] = None
+        sessions = block.sessions
+        sessions[session] = None
         self.session_tokens[session] = self.session_tokens.get(session, 0) + block.tokens
         self.session_blocks.setdefault(session, {})[block_hash] = None
-        if session in self.counted:
+        if len(sessions) == 1:
+            return
+        counted = self.counted
+        shared = self.shared_blocks
+        if len(sessions) == 2:
+            # Shared from now on: count it, and list it under its first session too.
+            (first,) = (s for s in sessions if s != session)
+            shared.setdefault(first, {})[block_hash] = None
+            block.counted = 1 if first in counted else 0
+        shared.setdefault(session, {})[block_hash] = None
+        if session in counted:
             block.counted += 1
             if block.counted >= 2:
                 self.shared_tokens += block.tokens
@@ -226,9 +243,15 @@ class WorkerKV:
                 if not (cut or (block.checked == self._epoch and not block.rooted)):
                     self._epoch += 1
                 holes[block_hash] = children
-            if block.counted >= 2:
+            multi = len(block.sessions) > 1
+            if multi and block.counted >= 2:
                 self.shared_tokens -= block.tokens * (block.counted - 1)
             for session in block.sessions:
+                if multi:
+                    shared = self.shared_blocks[session]
+                    del shared[block_hash]
+                    if not shared:
+                        del self.shared_blocks[session]
                 left = self.session_tokens[session] - block.tokens
                 owned = self.session_blocks[session]
                 del owned[block_hash]
@@ -281,6 +304,7 @@ class WorkerKV:
         self.blocks = {}
         self.session_tokens = {}
         self.session_blocks = {}
+        self.shared_blocks = {}
         self.continuation_blocks = {}
         self.shared_tokens = 0
         self.holes = {}
@@ -294,16 +318,25 @@ class WorkerKV:
         """Include or exclude ``session`` from the shared-token count."""
         if counted == (session in self.counted):
             return
-        delta = 1 if counted else -1
+        blocks = self.blocks
+        change = 0
+        # A block's share max(0, counted - 1) moves by one exactly when it is (or becomes)
+        # held by two or more counted sessions.
         if counted:
             self.counted[session] = None
+            for block_hash in self.shared_blocks.get(session, ()):
+                block = blocks[block_hash]
+                block.counted += 1
+                if block.counted >= 2:
+                    change += block.tokens
         else:
             del self.counted[session]
-        for block_hash in self.session_blocks.get(session, ()):
-            block = self.blocks[block_hash]
-            before = max(0, block.counted - 1)
-            block.counted += delta
-            self.shared_tokens += block.tokens * (max(0, block.counted - 1) - before)
+            for block_hash in self.shared_blocks.get(session, ()):
+                block = blocks[block_hash]
+                if block.counted >= 2:
+                    change -= block.tokens
+                block.counted -= 1
+        self.shared_tokens += change
 
     # -- queries -------------------------------------------------------------------------
 

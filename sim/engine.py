@@ -342,8 +342,8 @@ class Engine:
         hit_tokens = len(hit) * bs
         n = min(seq_len - hit_tokens, budget)
         new_blocks = -(-(hit_tokens + n) // bs) - len(hit)
-        ref = self.pool.ref_cnt
-        free_hits = sum(1 for b in hit if ref[b] == 0)
+        # hit blocks nobody references sit in the free queue: taking them costs free blocks
+        free_hits = list(map(self.pool.ref_cnt.__getitem__, hit)).count(0)
         return new_blocks, free_hits, hit
 
     def _schedule(self, now: float) -> list[tuple[EngineRequest, int]]:

@@ -644,6 +644,11 @@ def test_index_matches_a_brute_force_replay_after_every_step(history, queries):
                 assert index.session_tokens(w, s) == want["per_session"].get(s, 0)
             assert sorted(index.sessions_on(w)) == sorted(want["per_session"])
             assert kv.shared_tokens == want["shared"], where
+            assert kv.shared_blocks == {s: {h: None for h, b in kv.blocks.items()
+                                           if s in b.sessions and len(b.sessions) > 1}
+                                        for s in SESSIONS
+                                        if any(s in b.sessions and len(b.sessions) > 1
+                                               for b in kv.blocks.values())}, where
             assert set(kv.counted) == want["counted"]
             assert [kv.prefix_tokens(q) for q in queries] == want["prefixes"]
             assert kv.holes == want["holes"], where  # with how many children hang from each
