@@ -29,13 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 import anyio
 
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
 from controller.serve_config import LimitsConfig
-from scheduler.actions import Action, Admit, Demote, Mark, Pause, Release, Resume, Retain
+from scheduler.actions import Action, Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.kv_events import EventBatch
@@ -373,22 +373,29 @@ class Admission:
 
     def _carry_out(self, actions: list[Action], now: float) -> None:
         for action in actions:
-            if isinstance(action, Admit):
-                self._wake(action, now)
-            elif isinstance(action, Release):
-                self._refuse_held(action)
-                self.sink.send(action)
-                self._log.info("program released", session_id=action.session_id,
-                               worker=action.worker, reason=action.reason)
-            elif isinstance(action, (Retain, Demote)):
-                self.sink.send(action)
-            elif isinstance(action, Pause):
-                self._log.info("program paused", session_id=action.session_id, worker=action.worker)
-            elif isinstance(action, Resume):
-                self._log.info("program resumed", session_id=action.session_id,
-                               worker=action.worker, forced=action.forced)
-            elif isinstance(action, Mark):
-                self._log.info("program marked", session_id=action.session_id, worker=action.worker)
+            match action:
+                case Admit():
+                    self._wake(action, now)
+                case Release():
+                    self._refuse_held(action)
+                    self.sink.send(action)
+                    self._log.info("program released", session_id=action.session_id,
+                                   worker=action.worker, reason=action.reason)
+                case Retain() | Demote():
+                    self.sink.send(action)
+                case Pause():
+                    self._log.info("program paused", session_id=action.session_id,
+                                   worker=action.worker)
+                case Resume():
+                    self._log.info("program resumed", session_id=action.session_id,
+                                   worker=action.worker, forced=action.forced)
+                case Mark():
+                    self._log.info("program marked", session_id=action.session_id,
+                                   worker=action.worker)
+                case Hold():
+                    raise TypeError(f"a policy returned Hold as an action: {action}")
+                case _:
+                    assert_never(action)
 
     def _wake(self, action: Admit, now: float) -> None:
         waiter = self._waiters.pop(action.request_id, None)

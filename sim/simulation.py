@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+from typing import assert_never
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.actions import Action, Admit, Demote, Release, Retain
+from scheduler.actions import Action, Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
 from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 from scheduler.kv_events import EventBatch
@@ -545,17 +546,22 @@ class Simulation:
 
     def _apply(self, actions: list[Action], now: float) -> None:
         for action in actions:
-            if isinstance(action, Admit):
-                self._dispatch(action, now)
-            elif not self.apply_retention:
-                continue
-            elif isinstance(action, Retain):
-                self._by_name[action.worker].pool.retain(action.session_id, action.priority,
-                                                         action.ttl_s, now)
-            elif isinstance(action, Demote):
-                self._by_name[action.worker].pool.demote(action.session_id)
-            elif isinstance(action, Release) and action.worker is not None:
-                self._by_name[action.worker].pool.release(action.session_id)
+            match action:
+                case Admit():
+                    self._dispatch(action, now)
+                case Retain() if self.apply_retention:
+                    self._by_name[action.worker].pool.retain(action.session_id, action.priority,
+                                                             action.ttl_s, now)
+                case Demote() if self.apply_retention:
+                    self._by_name[action.worker].pool.demote(action.session_id)
+                case Release() if self.apply_retention and action.worker is not None:
+                    self._by_name[action.worker].pool.release(action.session_id)
+                case Retain() | Demote() | Release() | Pause() | Resume() | Mark():
+                    pass  # the policy keeps its own account of these; the engines need nothing
+                case Hold():
+                    raise TypeError(f"a policy returned Hold as an action: {action}")
+                case _:
+                    assert_never(action)
 
     def _sample(self, now: float) -> None:
         if now < self._next_sample:
