@@ -83,7 +83,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _Fleet:
+class Fleet:
     """The processes of one run; stopped (and their logs kept) on exit."""
 
     def __init__(self, setup: DemoSetup, policy: str, workdir: Path) -> None:
@@ -151,7 +151,7 @@ class _Fleet:
                 process.wait()
 
 
-async def _wait_ready(fleet: _Fleet, timeout_s: float = 60.0) -> None:
+async def wait_ready(fleet: Fleet, timeout_s: float = 60.0) -> None:
     """Until every worker answers and the gateway knows every worker's capacity."""
     deadline = time.monotonic() + timeout_s
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -172,7 +172,7 @@ async def _wait_ready(fleet: _Fleet, timeout_s: float = 60.0) -> None:
             await anyio.sleep(0.3)
 
 
-async def _monitor(fleet: _Fleet, started: float, emit: Callable[[str], None],
+async def _monitor(fleet: Fleet, started: float, emit: Callable[[str], None],
                    every_s: float, stop: anyio.Event, peaks: dict[str, float]) -> None:
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(base_url=fleet.gateway_url, headers=headers, timeout=5.0) as http:
@@ -214,10 +214,10 @@ async def _gateway_counters(url: str) -> dict[str, float]:
 
 
 async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[[str], None]) -> dict[str, Any]:
-    fleet = _Fleet(setup, policy, workdir)
+    fleet = Fleet(setup, policy, workdir)
     fleet.start()
     try:
-        await _wait_ready(fleet)
+        await wait_ready(fleet)
         emit(f"\n== {policy}: {setup.workers} simworkers x {setup.capacity_tokens:,} tokens of KV, "
              f"{setup.concurrency} agents, {setup.duration_s:.0f} s + up to {setup.drain_s:.0f} s to finish "
              f"(time scale {setup.time_scale})")
