@@ -2,7 +2,8 @@
 
 For each policy compared, from nothing: four simworkers (the engine model serving the OpenAI
 API and vLLM-format KV events, time-scaled), the gateway in front of them, and a closed-loop
-SWE-bench-style agent client at a concurrency that oversubscribes the fleet's KV. While it
+SWE-bench-style agent client at a concurrency that oversubscribes the fleet's KV (its agents
+take turns speaking OpenAI chat completions, Anthropic Messages and OpenAI Responses). While it
 runs, a line every few seconds shows each worker's utilization (the gateway's ledger) and
 the programs by state; at the end, the same load's results under each policy side by side.
 Every process is a real one (``sluice simworker``, ``sluice serve``) on loopback ports.
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import anyio
 import httpx
 import yaml
 
-from entry.agent_client import AgentClient
+from entry.agent_client import APIS, AgentClient
 from sim.workloads import LogNormal, SwebenchWorkload
 
 ADMIN_TOKEN = "sluice-demo-admin-token"
@@ -224,7 +225,7 @@ async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[
         workload = setup.workload()
         client = AgentClient(fleet.gateway_url, workload.make_program, concurrency=setup.concurrency,
                              duration_s=setup.duration_s, drain_s=setup.drain_s,
-                             time_scale=setup.time_scale)
+                             time_scale=setup.time_scale, apis=APIS)
         stop = anyio.Event()
         peaks: dict[str, float] = {}
         started = time.monotonic()
@@ -239,6 +240,8 @@ async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[
             tasks.start_soon(_monitor, fleet, started, emit, setup.report_every_s, stop, peaks)
             tasks.start_soon(play)
         assert result is not None
+        emit(f"  agents by API: {_by_api(result.agents_by_api)}; calls answered: "
+             f"{_by_api(result.calls_by_api)}")
         counters = await _gateway_counters(fleet.gateway_url)
         row = {"policy": policy, **result.summary(), **counters,
                "peak_utilization": {k: round(v, 3) for k, v in sorted(peaks.items())}}
@@ -247,6 +250,10 @@ async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[
         return row
     finally:
         fleet.stop()
+
+
+def _by_api(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{api} {counts.get(api, 0)}" for api in APIS)
 
 
 def format_comparison(rows: list[dict[str, Any]]) -> list[str]:
@@ -260,6 +267,9 @@ def format_comparison(rows: list[dict[str, Any]]) -> list[str]:
     for key, label, fmt in keys:
         cells = "".join(f"{fmt.format(row.get(key, 0)):>16}" for row in rows)
         lines.append(f"  {label:<24}{cells}")
+    cells = "".join(f"{'/'.join(str(row.get('agents_by_api', {}).get(api, 0)) for api in APIS):>16}"
+                    for row in rows)
+    lines.append(f"  {'agents chat/msg/resp':<24}{cells}")
     return lines
 
 
