@@ -127,6 +127,8 @@ class SimWorkerConfig:
             raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
         if self.default_max_tokens < 1 or self.max_run_steps < 1:
             raise ValueError("default_max_tokens and max_run_steps must be ≥ 1")
+        if self.responses_kept < 0:
+            raise ValueError(f"responses_kept must be ≥ 0, got {self.responses_kept}")
 
     @property
     def kv_topic(self) -> str:
