@@ -7,11 +7,19 @@ task, then for each turn the assistant's reply as returned and a tool observatio
 waits out each tool latency (scaled by ``time_scale``) between calls. ``concurrency``
 programs are alive at once; when one ends, the next starts. Texts are filler of the drawn
 lengths (about four characters a token).
+
+Each program speaks one API, in turn from ``apis`` by program index: ``chat`` (OpenAI chat
+completions), ``messages`` (Anthropic Messages: the system prompt in ``system``) or
+``responses`` (OpenAI Responses: the system prompt as ``instructions``, the whole history
+as ``input`` each turn, ``store`` off — a ``previous_response_id`` is only known to the
+worker that answered, and the gateway may move a program to another worker). Usage is read
+in each API's own terms: Anthropic's ``input_tokens`` leave out the cache reads.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +30,8 @@ import numpy as np
 from sim.programs import ProgramSpec
 
 CHARS_PER_TOKEN = 4
+APIS = ("chat", "messages", "responses")
+_ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
           "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
 
@@ -57,6 +67,8 @@ class ClientResult:
     cached_tokens: int = 0
     programs_completed: int = 0
     latencies_s: list[float] = field(default_factory=list)
+    agents_by_api: Counter[str] = field(default_factory=Counter)  # programs started
+    calls_by_api: Counter[str] = field(default_factory=Counter)  # calls answered
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_s) if self.latencies_s else np.asarray([float("nan")])
@@ -70,15 +82,22 @@ class ClientResult:
             "p50_call_s": round(float(np.quantile(lat, 0.5)), 3),
             "p99_call_s": round(float(np.quantile(lat, 0.99)), 3),
             "programs_completed": self.programs_completed,
+            "agents_by_api": dict(self.agents_by_api),
+            "calls_by_api": dict(self.calls_by_api),
         }
 
 
 class AgentClient:
     def __init__(self, base_url: str, make_program, *, concurrency: int, duration_s: float,
                  drain_s: float = 0.0, time_scale: float = 1.0, model: str = "sluice-sim",
-                 system_tokens: int | None = None, timeout_s: float = 600.0) -> None:
+                 system_tokens: int | None = None, timeout_s: float = 600.0,
+                 apis: tuple[str, ...] = ("chat",)) -> None:
         if concurrency <= 0:
             raise ValueError(f"concurrency must be > 0, got {concurrency}")
+        unknown = [api for api in apis if api not in _ROUTES]
+        if not apis or unknown:
+            raise ValueError(f"apis must name some of {APIS}, got {apis}")
+        self._apis = apis
         self._base_url = base_url.rstrip("/")
         self._make_program = make_program
         self._concurrency = concurrency
@@ -111,12 +130,15 @@ class AgentClient:
         # Stagger the first programs so they do not all arrive at once.
         await anyio.sleep(slot * 0.01)
         while time.monotonic() < self._deadline:
-            spec = self._make_program(self._next_index)
+            index = self._next_index
             self._next_index += 1
-            if await self._play(http, spec):
+            spec = self._make_program(index)
+            api = self._apis[index % len(self._apis)]
+            self.result.agents_by_api[api] += 1
+            if await self._play(http, spec, api):
                 self.result.programs_completed += 1
 
-    async def _play(self, http: httpx.AsyncClient, spec: ProgramSpec) -> bool:
+    async def _play(self, http: httpx.AsyncClient, spec: ProgramSpec, api: str) -> bool:
         system = filler(self._system_tokens or spec.shared_prefix_tokens, "system")
         first = spec.calls[0]
         task_tokens = max(1, first.prompt_tokens - spec.shared_prefix_tokens)
@@ -131,37 +153,68 @@ class AgentClient:
                 messages.append({"role": "user",
                                  "content": filler(max(1, observed), f"{spec.session_id}/{k}")})
             final = k == len(spec.calls) - 1
-            reply = await self._call(http, spec.session_id, messages, call.output_tokens, final)
+            reply = await self._call(http, api, spec.session_id, messages, call.output_tokens, final)
             if reply is None:
                 return False
             messages.append({"role": "assistant", "content": reply})
         return True
 
-    async def _call(self, http: httpx.AsyncClient, session: str, messages: list[dict[str, str]],
-                    max_tokens: int, final: bool) -> str | None:
+    def _body(self, api: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        """The request of ``api`` for a chat-shaped conversation (a system message first)."""
+        system, turns = messages[0]["content"], messages[1:]
+        if api == "messages":
+            return {"model": self._model, "system": system, "messages": turns, "max_tokens": max_tokens}
+        if api == "responses":
+            return {"model": self._model, "instructions": system, "input": turns,
+                    "max_output_tokens": max_tokens, "store": False}
+        return {"model": self._model, "messages": messages, "max_tokens": max_tokens}
+
+    @staticmethod
+    def _read(api: str, data: dict[str, Any]) -> tuple[str, int, int, int]:
+        """(reply, prompt tokens, of which cached, output tokens) of an answer of ``api``."""
+        usage = data.get("usage") or {}
+        if api == "messages":
+            cached = int(usage.get("cache_read_input_tokens") or 0)
+            return (data["content"][0]["text"], int(usage.get("input_tokens", 0)) + cached, cached,
+                    int(usage.get("output_tokens", 0)))
+        if api == "responses":
+            details = usage.get("input_tokens_details") or {}
+            text = "".join(part["text"] for item in data["output"] if item.get("type") == "message"
+                           for part in item["content"] if part.get("type") == "output_text")
+            return (text, int(usage.get("input_tokens", 0)), int(details.get("cached_tokens") or 0),
+                    int(usage.get("output_tokens", 0)))
+        details = usage.get("prompt_tokens_details") or {}
+        return (data["choices"][0]["message"]["content"], int(usage.get("prompt_tokens", 0)),
+                int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens", 0)))
+
+    async def _call(self, http: httpx.AsyncClient, api: str, session: str,
+                    messages: list[dict[str, str]], max_tokens: int, final: bool) -> str | None:
         headers = {"x-session-id": session}
         if final:
             headers["x-dynamo-session-final"] = "true"
-        body = {"model": self._model, "messages": messages, "max_tokens": max_tokens}
         sent = time.monotonic()
         try:
-            response = await http.post("/v1/chat/completions", json=body, headers=headers)
+            response = await http.post(_ROUTES[api], json=self._body(api, messages, max_tokens),
+                                       headers=headers)
         except httpx.HTTPError as err:
-            self._error(f"{session}: {type(err).__name__}: {err}")
+            self._error(f"{session} ({api}): {type(err).__name__}: {err}")
             return None
         if response.status_code != 200:
-            self._error(f"{session}: HTTP {response.status_code}: {response.text[:200]}")
+            self._error(f"{session} ({api}): HTTP {response.status_code}: {response.text[:200]}")
             return None
-        data = response.json()
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
+        try:
+            reply, prompt, cached, output = self._read(api, response.json())
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            self._error(f"{session} ({api}): unreadable answer: {type(err).__name__}: {err}")
+            return None
         result = self.result
         result.calls += 1
+        result.calls_by_api[api] += 1
         result.latencies_s.append(time.monotonic() - sent)
-        result.output_tokens += int(usage.get("completion_tokens", 0))
-        result.prompt_tokens += int(usage.get("prompt_tokens", 0))
-        result.cached_tokens += int(details.get("cached_tokens") or 0)
-        return data["choices"][0]["message"]["content"]
+        result.output_tokens += output
+        result.prompt_tokens += prompt
+        result.cached_tokens += cached
+        return reply
 
     def _error(self, message: str) -> None:
         self.result.errors += 1

@@ -2,7 +2,8 @@
 
 For each policy compared, from nothing: four simworkers (the engine model serving the OpenAI
 API and vLLM-format KV events, time-scaled), the gateway in front of them, and a closed-loop
-SWE-bench-style agent client at a concurrency that oversubscribes the fleet's KV. While it
+SWE-bench-style agent client at a concurrency that oversubscribes the fleet's KV (its agents
+take turns speaking OpenAI chat completions, Anthropic Messages and OpenAI Responses). While it
 runs, a line every few seconds shows each worker's utilization (the gateway's ledger) and
 the programs by state; at the end, the same load's results under each policy side by side.
 Every process is a real one (``sluice simworker``, ``sluice serve``) on loopback ports.
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import anyio
 import httpx
 import yaml
 
-from entry.agent_client import AgentClient
+from entry.agent_client import APIS, AgentClient
 from sim.workloads import LogNormal, SwebenchWorkload
 
 ADMIN_TOKEN = "sluice-demo-admin-token"
@@ -83,7 +84,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _Fleet:
+class Fleet:
     """The processes of one run; stopped (and their logs kept) on exit."""
 
     def __init__(self, setup: DemoSetup, policy: str, workdir: Path) -> None:
@@ -151,7 +152,7 @@ class _Fleet:
                 process.wait()
 
 
-async def _wait_ready(fleet: _Fleet, timeout_s: float = 60.0) -> None:
+async def wait_ready(fleet: Fleet, timeout_s: float = 60.0) -> None:
     """Until every worker answers and the gateway knows every worker's capacity."""
     deadline = time.monotonic() + timeout_s
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -172,7 +173,7 @@ async def _wait_ready(fleet: _Fleet, timeout_s: float = 60.0) -> None:
             await anyio.sleep(0.3)
 
 
-async def _monitor(fleet: _Fleet, started: float, emit: Callable[[str], None],
+async def _monitor(fleet: Fleet, started: float, emit: Callable[[str], None],
                    every_s: float, stop: anyio.Event, peaks: dict[str, float]) -> None:
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(base_url=fleet.gateway_url, headers=headers, timeout=5.0) as http:
@@ -214,17 +215,17 @@ async def _gateway_counters(url: str) -> dict[str, float]:
 
 
 async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[[str], None]) -> dict[str, Any]:
-    fleet = _Fleet(setup, policy, workdir)
+    fleet = Fleet(setup, policy, workdir)
     fleet.start()
     try:
-        await _wait_ready(fleet)
+        await wait_ready(fleet)
         emit(f"\n== {policy}: {setup.workers} simworkers x {setup.capacity_tokens:,} tokens of KV, "
              f"{setup.concurrency} agents, {setup.duration_s:.0f} s + up to {setup.drain_s:.0f} s to finish "
              f"(time scale {setup.time_scale})")
         workload = setup.workload()
         client = AgentClient(fleet.gateway_url, workload.make_program, concurrency=setup.concurrency,
                              duration_s=setup.duration_s, drain_s=setup.drain_s,
-                             time_scale=setup.time_scale)
+                             time_scale=setup.time_scale, apis=APIS)
         stop = anyio.Event()
         peaks: dict[str, float] = {}
         started = time.monotonic()
@@ -239,6 +240,8 @@ async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[
             tasks.start_soon(_monitor, fleet, started, emit, setup.report_every_s, stop, peaks)
             tasks.start_soon(play)
         assert result is not None
+        emit(f"  agents by API: {_by_api(result.agents_by_api)}; calls answered: "
+             f"{_by_api(result.calls_by_api)}")
         counters = await _gateway_counters(fleet.gateway_url)
         row = {"policy": policy, **result.summary(), **counters,
                "peak_utilization": {k: round(v, 3) for k, v in sorted(peaks.items())}}
@@ -247,6 +250,10 @@ async def _run_one(setup: DemoSetup, policy: str, workdir: Path, emit: Callable[
         return row
     finally:
         fleet.stop()
+
+
+def _by_api(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{api} {counts.get(api, 0)}" for api in APIS)
 
 
 def format_comparison(rows: list[dict[str, Any]]) -> list[str]:
@@ -260,6 +267,9 @@ def format_comparison(rows: list[dict[str, Any]]) -> list[str]:
     for key, label, fmt in keys:
         cells = "".join(f"{fmt.format(row.get(key, 0)):>16}" for row in rows)
         lines.append(f"  {label:<24}{cells}")
+    cells = "".join(f"{'/'.join(str(row.get('agents_by_api', {}).get(api, 0)) for api in APIS):>16}"
+                    for row in rows)
+    lines.append(f"  {'agents chat/msg/resp':<24}{cells}")
     return lines
 
 

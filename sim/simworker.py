@@ -14,7 +14,7 @@ next iteration where the last one ended, so throughput stays the model's (a call
 arrived meanwhile may join it that little early); a lag beyond ``max_lag_wall_s`` is
 skipped instead of caught up, logged and counted in ``sluice_simworker:skipped_lag_seconds``.
 
-Endpoints (vLLM 0.32 shapes):
+Endpoints (vLLM 0.32 shapes; the API shapes are sim/simworker_calls.py's ``CallShape``):
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: stream (SSE ``data: {...}`` chunks,
   then ``data: [DONE]``) or not. ``usage`` has ``prompt_tokens``, ``completion_tokens``,
   ``total_tokens`` and ``prompt_tokens_details.cached_tokens`` (always: vLLM needs
@@ -24,7 +24,13 @@ Endpoints (vLLM 0.32 shapes):
   ``default_max_tokens`` (``finish_reason`` "length" when the client set it, "stop"
   otherwise); prompt + output must fit the pool (the model length here), else 400. The
   response's ``model`` echoes the request's (any name is served).
-- Session id: body ``session_id``, else header ``X-Session-ID``, else
+- ``POST /v1/messages`` (Anthropic Messages, stream or not: ``message_start`` …
+  ``message_stop``), ``POST /v1/messages/count_tokens``, ``POST /v1/responses`` (OpenAI
+  Responses, stream or not, ``previous_response_id`` continuing a stored answer's tokens):
+  sim/simworker_apis.py says how their requests become prompts and their output lengths.
+  Every API drives the same engine, KV events and session labels; errors come in each
+  API's own shape.
+- Session id (every API): body ``session_id``, else header ``X-Session-ID``, else
   ``vllm_xargs.session_id`` (vLLM's order); it labels the request's ``BlockStored`` events, as
   does ``vllm_xargs.continuation_id``. ``vllm_xargs.kv_cache_report_mode == "full"`` reports
   the request's prefix hits as a ``BlockStored`` from block 0. ``cache_salt`` is honoured.
@@ -49,8 +55,8 @@ import itertools
 from array import array
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -69,11 +75,20 @@ from scheduler.kv_events import BlockStored
 from sim.directive_socket import DirectiveSocket
 from sim.engine import Engine, EngineRequest
 from sim.kv_publisher import KvEventPublisher
+from sim.simworker_apis import AnthropicMessages, OpenAIResponses
+from sim.simworker_calls import (
+    BadRequest,
+    Call,
+    CallFailed,
+    CallParams,
+    CallShape,
+    error_response,
+    parse_params,
+)
 from sim.step_time import preset as load_preset
 from sim.tokens import PromptError, PseudoTokenizer, block_hashes, filler_start
 
 DEFAULT_PRESET = "llama3.1-8b-h100"
-SESSION_HEADER = "x-session-id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +112,9 @@ class SimWorkerConfig:
     max_run_wall_s: float = 0.05
     max_lag_wall_s: float = 0.25
     replay_buffer: int = 10_000
+    # Responses API answers whose token sequences are kept for ``previous_response_id``
+    # (oldest forgotten first).
+    responses_kept: int = 1024
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -109,108 +127,12 @@ class SimWorkerConfig:
             raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
         if self.default_max_tokens < 1 or self.max_run_steps < 1:
             raise ValueError("default_max_tokens and max_run_steps must be ≥ 1")
+        if self.responses_kept < 0:
+            raise ValueError(f"responses_kept must be ≥ 0, got {self.responses_kept}")
 
     @property
     def kv_topic(self) -> str:
         return f"kv@{self.name}" if self.topic is None else self.topic
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-        status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
-
-
-@dataclass(frozen=True, slots=True)
-class CallParams:
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    max_tokens: int | None
-    session_id: str | None
-    continuation_id: str | None
-    report_full: bool
-    cache_salt: str | None
-    seed: int | None
-    model: str | None
-
-
-def _opt(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise BadRequest(f"'{key}' must be {what}", key)
-    return value
-
-
-def parse_params(kind: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> CallParams:
-    """The request fields the simworker acts on (``kind``: "chat" or "completion")."""
-    stream = _opt(body, "stream", bool, "a boolean") or False
-    options = _opt(body, "stream_options", dict, "an object") or {}
-    include_usage = bool(options.get("include_usage")) and stream
-    continuous = bool(options.get("continuous_usage_stats")) and stream
-    max_tokens = None
-    keys = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
-    for key in keys:
-        value = _opt(body, key, int, "an integer ≥ 1")
-        if value is not None:
-            if value < 1:
-                raise BadRequest(f"'{key}' must be ≥ 1, got {value}", key)
-            max_tokens = value
-            break
-    n = _opt(body, "n", int, "an integer")
-    if n is not None and n != 1:
-        raise BadRequest("the simworker serves n=1 only", "n")
-    xargs = _opt(body, "vllm_xargs", dict, "an object") or {}
-    session_id = _opt(body, "session_id", str, "a string")
-    if not session_id:
-        session_id = headers.get(SESSION_HEADER) or None
-    if not session_id:
-        value = xargs.get("session_id")
-        session_id = value if isinstance(value, str) and value else None
-    continuation = xargs.get("continuation_id")
-    if continuation is not None and not isinstance(continuation, str):
-        raise BadRequest("'vllm_xargs.continuation_id' must be a string", "vllm_xargs.continuation_id")
-    return CallParams(
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous,
-        max_tokens=max_tokens,
-        session_id=session_id,
-        continuation_id=continuation or None,
-        report_full=xargs.get("kv_cache_report_mode") == "full",
-        cache_salt=_opt(body, "cache_salt", str, "a string"),
-        seed=_opt(body, "seed", int, "an integer"),
-        model=_opt(body, "model", str, "a string"),
-    )
-
-
-@dataclass(eq=False, slots=True)
-class _Call:
-    kind: str
-    response_id: str
-    model: str
-    created: int
-    params: CallParams
-    request: EngineRequest
-    pieces: list[str]
-    finish_reason: str
-    changed: anyio.Event = field(default_factory=anyio.Event)
-    seen: int = 0
-    error: str | None = None
-
-    @property
-    def over(self) -> bool:
-        return self.request.finished or self.error is not None
 
 
 class _EngineCollector:
@@ -303,7 +225,7 @@ class SimWorker:
         self.lag_dropped_s = 0.0
         self._lag_logged_at = float("-inf")
         self.failed: str | None = None
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, Call] = {}
         self._wake: anyio.Event | None = None
         self._t0 = time.monotonic()
         self._last_end: float | None = None
@@ -461,14 +383,14 @@ class SimWorker:
             if request.finished:
                 del calls[request.request_id]
 
-    def submit(self, call: _Call) -> None:
+    def submit(self, call: Call) -> None:
         if self.failed:
             raise BadRequest(self.failed, status=503)
         self.engine.add_request(call.request, self.vnow())
         self._calls[call.request.request_id] = call
         self._wake_loop()
 
-    def abort(self, call: _Call) -> None:
+    def abort(self, call: Call) -> None:
         if call.over:
             return
         self._calls.pop(call.request.request_id, None)
@@ -482,88 +404,103 @@ class SimWorker:
 
     # -- requests --------------------------------------------------------------------
 
-    def _prepare(self, kind: str, body: Mapping[str, Any], params: CallParams
+    def _prepare(self, render: Callable[[PseudoTokenizer], list[int]], params: CallParams,
+                 prompt_param: str, leading_space: bool
                  ) -> tuple[list[int], array, list[str], list[int], str]:
         """Tokens, filler and hashes (runs in a worker thread: long prompts take milliseconds)."""
         tokenizer = self.tokenizer
-        if kind == "chat":
-            continue_final = body.get("continue_final_message") is True
-            add_prompt = body.get("add_generation_prompt", True) is not False
-            prompt = tokenizer.render_chat(body.get("messages"), body.get("tools"),
-                                           add_generation_prompt=add_prompt,
-                                           continue_final_message=continue_final)
-        else:
-            prompt = tokenizer.render_completion(body.get("prompt"))
+        prompt = render(tokenizer)
         capacity = self.engine.capacity_tokens
+        default = self.config.default_max_tokens
         p = len(prompt)
         if params.max_tokens is None:
             if p >= capacity:
                 raise BadRequest(f"This model's maximum context length is {capacity} tokens. However, "
-                                 f"your request has {p} input tokens.", "messages" if kind == "chat" else "prompt")
-            n = min(self.config.default_max_tokens, capacity - p)
-            finish = "stop" if n == self.config.default_max_tokens else "length"
+                                 f"your request has {p} input tokens.", prompt_param)
+            n = min(default, capacity - p)
+            finish = "stop" if n == default else "length"
         else:
-            n = params.max_tokens
+            n = min(params.max_tokens, default) if params.max_is_limit else params.max_tokens
             if p + n > capacity:
                 raise BadRequest(f"This model's maximum context length is {capacity} tokens. However, "
                                  f"you requested {p + n} tokens ({p} in the input, {n} in the "
                                  f"completion).", "max_tokens")
-            finish = "length"
+            finish = "length" if n == params.max_tokens else "stop"
         out_ids, pieces = tokenizer.filler(n, filler_start(prompt, params.seed),
-                                           leading_space=kind != "chat")
+                                           leading_space=leading_space)
         tokens = array("I", prompt)  # 4 bytes a token: running calls may hold long contexts
         tokens.extend(out_ids)
         hashes = block_hashes(tokens, self.engine.block_size, params.cache_salt)
         return prompt, tokens, pieces, hashes, finish
 
-    async def handle(self, request: Request, kind: str) -> Response:
+    async def _read_body(self, request: Request) -> dict[str, Any]:
         try:
-            try:
-                body = await request.json()
-            except ValueError as err:
-                raise BadRequest(f"the body is not valid JSON: {err}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
-            params = parse_params(kind, body, request.headers)
+            body = await request.json()
+        except ValueError as err:
+            raise BadRequest(f"the body is not valid JSON: {err}") from None
+        except RecursionError:
+            raise BadRequest("the body is nested too deeply") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    async def handle(self, request: Request, shape: CallShape) -> Response:
+        try:
+            body = await self._read_body(request)
+            params = parse_params(shape.kind, body, request.headers)
             if self.failed:
                 raise BadRequest(self.failed, status=503)
+            render = shape.renderer(body)
+            echo = shape.echo(body)
+            # A completion continues the prompt's text; the other APIs start a new message.
             prompt, tokens, pieces, hashes, finish = await anyio.to_thread.run_sync(
-                self._prepare, kind, body, params)
+                self._prepare, render, params, shape.prompt_param, shape.kind == "completion")
         except PromptError as err:
-            return error_response(400, str(err), err.param)
+            return shape.error(400, str(err), err.param)
         except BadRequest as err:
-            return error_response(err.status, str(err), err.param)
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+            return shape.error(err.status, str(err), err.param)
+        response_id = f"{shape.id_prefix}{uuid.uuid4().hex}"
         engine_request = EngineRequest(
             request_id=response_id, session_id=params.session_id, hashes=hashes,
             prompt_tokens=len(prompt), output_tokens=len(pieces), priority=0.0,
             arrival=self.vnow(), continuation_id=params.continuation_id, token_ids=tokens,
             report_reuse=params.report_full,
         )
-        call = _Call(kind, response_id, params.model or self.config.model, int(time.time()), params,
-                     engine_request, pieces, finish)
+        call = Call(shape.kind, response_id, params.model or self.config.model, int(time.time()),
+                    params, engine_request, pieces, finish, echo)
         try:
             self.submit(call)
         except BadRequest as err:
-            return error_response(err.status, str(err), err.param)
+            return shape.error(err.status, str(err), err.param)
         except ValueError as err:  # the engine refuses what cannot fit the pool
-            return error_response(400, str(err))
+            return shape.error(400, str(err))
         if params.stream:
-            return StreamingResponse(self._stream(call), media_type="text/event-stream",
+            return StreamingResponse(self._stream(call, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         if not await self._wait_or_disconnect(request, call):
             return Response(status_code=499)
         if call.error is not None:
-            return error_response(500, call.error)
-        return JSONResponse(self._final_body(call))
+            return shape.error(500, call.error)
+        return JSONResponse(shape.body(call))
 
-    async def _until_over(self, call: _Call) -> None:
+    async def count_prompt(self, request: Request, shape: CallShape) -> Response:
+        """The prompt's token count, rendered as a call of ``shape`` would render it."""
+        try:
+            body = await self._read_body(request)
+            render = shape.renderer(body)
+            prompt = await anyio.to_thread.run_sync(render, self.tokenizer)
+        except PromptError as err:
+            return shape.error(400, str(err), err.param)
+        except BadRequest as err:
+            return shape.error(err.status, str(err), err.param)
+        return JSONResponse({"input_tokens": len(prompt)})
+
+    async def _until_over(self, call: Call) -> None:
         while not call.over:
             await call.changed.wait()
             call.changed = anyio.Event()
 
-    async def _wait_or_disconnect(self, request: Request, call: _Call) -> bool:
+    async def _wait_or_disconnect(self, request: Request, call: Call) -> bool:
         disconnected = False
 
         async def watch(scope: anyio.CancelScope) -> None:
@@ -585,72 +522,28 @@ class SimWorker:
                 self.abort(call)
         return not disconnected
 
-    # -- bodies ----------------------------------------------------------------------
-
     @staticmethod
-    def _usage(call: _Call) -> dict[str, Any]:
-        request = call.request
-        output = min(request.num_output, request.output_tokens)
-        return {
-            "prompt_tokens": request.prompt_tokens,
-            "total_tokens": request.prompt_tokens + output,
-            "completion_tokens": output,
-            "prompt_tokens_details": {"cached_tokens": max(0, min(request.cached_tokens,
-                                                                  request.prompt_tokens))},
-        }
-
-    def _final_body(self, call: _Call) -> dict[str, Any]:
-        text = "".join(call.pieces)
-        if call.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                      "logprobs": None, "finish_reason": call.finish_reason, "stop_reason": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": call.finish_reason,
-                      "stop_reason": None}
-            obj = "text_completion"
-        return {"id": call.response_id, "object": obj, "created": call.created, "model": call.model,
-                "choices": [choice], "usage": self._usage(call)}
-
-    def _chunk(self, call: _Call, choices: list[dict[str, Any]], usage: bool) -> bytes:
-        body: dict[str, Any] = {
-            "id": call.response_id,
-            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
-            "created": call.created, "model": call.model, "choices": choices,
-        }
-        if usage:
-            body["usage"] = self._usage(call)
-        return b"data: " + msgspec.json.encode(body) + b"\n\n"
-
-    def _choice(self, call: _Call, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-        if call.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-    async def _stream(self, call: _Call) -> AsyncIterator[bytes]:
+    async def _progress(call: Call) -> AsyncIterator[tuple[str, bool]]:
+        """The reply's new text each time the engine produces some, and whether the call
+        has finished (the last item may carry no text). Raises CallFailed."""
         sent = 0
-        continuous = call.params.continuous_usage
+        while True:
+            await call.changed.wait()
+            call.changed = anyio.Event()
+            if call.error is not None:
+                raise CallFailed(call.error)
+            produced = min(call.request.num_output, len(call.pieces))
+            finished = call.request.finished
+            if produced > sent or finished:
+                yield "".join(call.pieces[sent:produced]), finished
+                sent = produced
+            if finished:
+                return
+
+    async def _stream(self, call: Call, shape: CallShape) -> AsyncIterator[bytes]:
         try:
-            while True:
-                await call.changed.wait()
-                call.changed = anyio.Event()
-                if call.error is not None:
-                    error = {"error": {"message": call.error, "type": "InternalServerError", "code": 500}}
-                    yield b"data: " + msgspec.json.encode(error) + b"\n\n"
-                    break
-                produced = min(call.request.num_output, len(call.pieces))
-                finished = call.request.finished
-                if produced > sent or finished:
-                    text = "".join(call.pieces[sent:produced])
-                    yield self._chunk(call, [self._choice(call, text, call.finish_reason if finished else None,
-                                                          first=sent == 0)], continuous)
-                    sent = produced
-                if finished:
-                    if call.params.include_usage:
-                        yield self._chunk(call, [], True)
-                    break
-            yield b"data: [DONE]\n\n"
+            async for chunk in shape.events(call, self._progress(call)):
+                yield chunk
         finally:
             if not call.over:  # the client went away (Starlette cancelled the stream)
                 self.abort(call)
@@ -673,6 +566,85 @@ class SimWorker:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+class OpenAICompletions:
+    """``/v1/chat/completions`` (``kind`` "chat") and ``/v1/completions`` ("completion"),
+    in vLLM's shapes."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.id_prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        self.prompt_param = "messages" if kind == "chat" else "prompt"
+
+    def error(self, status: int, message: str, param: str | None = None) -> Response:
+        return error_response(status, message, param)
+
+    def renderer(self, body: Mapping[str, Any]) -> Callable[[PseudoTokenizer], list[int]]:
+        if self.kind == "chat":
+            continue_final = body.get("continue_final_message") is True
+            add_prompt = body.get("add_generation_prompt", True) is not False
+            return lambda tokenizer: tokenizer.render_chat(
+                body.get("messages"), body.get("tools"), add_generation_prompt=add_prompt,
+                continue_final_message=continue_final)
+        return lambda tokenizer: tokenizer.render_completion(body.get("prompt"))
+
+    def echo(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        return {}
+
+    @staticmethod
+    def usage(call: Call) -> dict[str, Any]:
+        prompt, cached, output = call.usage_counts()
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + output,
+            "completion_tokens": output,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def body(self, call: Call) -> dict[str, Any]:
+        text = call.text
+        if call.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                      "logprobs": None, "finish_reason": call.finish_reason, "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": call.finish_reason,
+                      "stop_reason": None}
+            obj = "text_completion"
+        return {"id": call.response_id, "object": obj, "created": call.created, "model": call.model,
+                "choices": [choice], "usage": self.usage(call)}
+
+    def _chunk(self, call: Call, choices: list[dict[str, Any]], usage: bool) -> bytes:
+        body: dict[str, Any] = {
+            "id": call.response_id,
+            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+            "created": call.created, "model": call.model, "choices": choices,
+        }
+        if usage:
+            body["usage"] = self.usage(call)
+        return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+    def _choice(self, call: Call, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        if call.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    async def events(self, call: Call, progress: AsyncIterator[tuple[str, bool]]) -> AsyncIterator[bytes]:
+        continuous = call.params.continuous_usage
+        first = True
+        try:
+            async for text, finished in progress:
+                yield self._chunk(call, [self._choice(call, text, call.finish_reason if finished else None,
+                                                      first=first)], continuous)
+                first = False
+            if call.params.include_usage:
+                yield self._chunk(call, [], True)
+        except CallFailed as err:
+            error = {"error": {"message": str(err), "type": "InternalServerError", "code": 500}}
+            yield b"data: " + msgspec.json.encode(error) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
 def create_app(config: SimWorkerConfig) -> Starlette:
     """Build the app; its sockets open and its engine task starts when the server starts."""
     worker = SimWorker(config)
@@ -690,15 +662,22 @@ def create_app(config: SimWorkerConfig) -> Starlette:
         finally:
             worker.close()
 
-    async def chat(request: Request) -> Response:
-        return await worker.handle(request, "chat")
+    def serving(shape: CallShape) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            return await worker.handle(request, shape)
+        return endpoint
 
-    async def completions(request: Request) -> Response:
-        return await worker.handle(request, "completion")
+    messages = AnthropicMessages()
+
+    async def count_tokens(request: Request) -> Response:
+        return await worker.count_prompt(request, messages)
 
     routes = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", serving(OpenAICompletions("chat")), methods=["POST"]),
+        Route("/v1/completions", serving(OpenAICompletions("completion")), methods=["POST"]),
+        Route("/v1/messages", serving(messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", serving(OpenAIResponses(config.responses_kept)), methods=["POST"]),
         Route("/v1/models", worker.models, methods=["GET"]),
         Route("/health", worker.health, methods=["GET"]),
         Route("/metrics", worker.metrics, methods=["GET"]),

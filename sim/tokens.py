@@ -117,28 +117,32 @@ class PseudoTokenizer:
     # -- prompts ---------------------------------------------------------------------
 
     def render_chat(self, messages: Any, tools: Any = None, *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, opening: bool = True,
+                    param: str = "messages") -> list[int]:
+        """``opening`` False renders turns that continue a conversation already rendered
+        (a Responses API follow-up): no ``<bos>``, no tools. ``param`` names the field in
+        errors."""
         if not isinstance(messages, list) or not messages:
-            raise PromptError("'messages' must be a non-empty list of message objects", "messages")
-        tokens = [BOS]
-        if tools:
+            raise PromptError(f"'{param}' must be a non-empty list of message objects", param)
+        tokens = [BOS] if opening else []
+        if tools and opening:
             tokens.append(TOOLS)
             tokens += self.encode(canonical_json(tools))
             tokens.append(END)
         last = len(messages) - 1
         for index, message in enumerate(messages):
             if not isinstance(message, dict):
-                raise PromptError(f"messages[{index}] must be an object", f"messages[{index}]")
+                raise PromptError(f"{param}[{index}] must be an object", f"{param}[{index}]")
             role = message.get("role")
             if not isinstance(role, str) or not role:
-                raise PromptError(f"messages[{index}].role must be a non-empty string",
-                                  f"messages[{index}].role")
+                raise PromptError(f"{param}[{index}].role must be a non-empty string",
+                                  f"{param}[{index}].role")
             tokens.append(role_token(role))
             header = [f"{key}={message[key]}" for key in ("name", "tool_call_id")
                       if isinstance(message.get(key), str)]
             if header:
                 tokens += self.encode(" ".join(header) + "\n")
-            tokens += self._content(message.get("content"), f"messages[{index}].content")
+            tokens += self._content(message.get("content"), f"{param}[{index}].content")
             for key in ("tool_calls", "function_call"):
                 if message.get(key):
                     tokens += self.encode(canonical_json(message[key]))
