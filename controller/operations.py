@@ -239,11 +239,28 @@ class Metrics:
             "sluice_requests", "Calls answered, by route and status.", ["route", "status"],
             registry=self.registry,
         )
+        # From the usage of each completed call: the fleet's prefix-cache hit rate is
+        # rate(cached) / rate(prompt).
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of completed calls, by worker.", ["worker"],
+            registry=self.registry)
+        self.cached_tokens = Counter(
+            "sluice_cached_tokens", "Prompt tokens served from the prefix cache (usage "
+            "cached_tokens), by worker.", ["worker"], registry=self.registry)
+        self.completion_tokens = Counter(
+            "sluice_completion_tokens", "Output tokens of completed calls, by worker.", ["worker"],
+            registry=self.registry)
         self.reloads = Counter(
             "sluice_config_reloads", "Config reloads by result.", ["result"], registry=self.registry,
         )
         self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=self.registry)
         self.up.set(1)
+
+    def count_usage(self, worker: str, prompt_tokens: int, cached_tokens: int,
+                    completion_tokens: int) -> None:
+        self.prompt_tokens.labels(worker).inc(prompt_tokens)
+        self.cached_tokens.labels(worker).inc(cached_tokens)
+        self.completion_tokens.labels(worker).inc(completion_tokens)
 
     def watch_kv_events(self, subscriber: KvEventSubscriber) -> None:
         """Export the KV-event subscriber's counters (controller/subscriber.py)."""
