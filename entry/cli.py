@@ -157,6 +157,33 @@ def serve(
     run_gateway(app_, listen_host, listen_port)
 
 
+@app.command(
+    "top",
+    help="A live view of a running gateway: workers (health, U, capacity, programs), programs "
+    "by state, held calls and the largest programs, refreshed every --interval seconds from "
+    "its admin API. Ctrl-C to leave.",
+)
+def top(
+    url: str = typer.Option("http://127.0.0.1:8080", "--url", help="The gateway's base URL."),
+    token: Optional[str] = typer.Option(None, "--token", help="The admin bearer token "
+                                        "(default: the variable --token-env names)."),
+    token_env: str = typer.Option("SLUICE_ADMIN_TOKEN", "--token-env",
+                                  help="Environment variable holding the admin token."),
+    interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between refreshes."),
+    once: bool = typer.Option(False, "--once", help="Print one screen and exit (for scripts)."),
+) -> None:
+    import os
+
+    from entry.top import TopError, run_top
+
+    try:
+        run_top(url.rstrip("/"), token or os.environ.get(token_env), interval, once, typer.echo)
+    except TopError as err:
+        raise _fail(str(err)) from None
+    except KeyboardInterrupt:
+        pass
+
+
 def _register_simulator_commands() -> None:
     from sim.cli import register
 
