@@ -44,7 +44,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.request import Request
 
-from controller.vllm_plugin import labels, retention
+from sluice_vllm_plugin import labels, retention
 
 BLOCK = 16
 SHARED_BLOCKS = 8

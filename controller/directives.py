@@ -1,5 +1,5 @@
 """The directive sender: the policy's Retain / Demote / Release actions as KvHint-shaped
-envelopes to each worker's engine plugin (``controller/vllm_plugin/directives.py``).
+envelopes to each worker's engine plugin (``sluice_vllm_plugin/directives.py``).
 
 One ZMQ PUSH socket per worker that has a ``directives`` endpoint, connected to the plugin's
 PULL socket. ``send`` is called under the admission lock, so it never blocks: a message that
@@ -10,17 +10,38 @@ counted. Directives are hints, so a dropped one costs cache efficiency, never co
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, assert_never
 
 import zmq
 
 from controller.admission import Directive, DirectiveSink
 from controller.serve_config import WorkerConfig
-from scheduler.directive_envelope import envelope
+from scheduler.actions import Demote, Release, Retain
+from sluice_vllm_plugin.directive_envelope import (PROTOCOL_VERSION, Envelope, KvAction, KvDemote,
+                                                  KvRelease, KvRetain, RetainPayload,
+                                                  SessionPayload, encode_json)
 
 SEND_HWM = 10_000
+
+
+def kv_action(action: Directive, action_id: str) -> KvAction:
+    """The policy's directive as the envelope's action (the wire names of DESIGN.md §5)."""
+    match action:
+        case Retain():
+            return KvRetain(RetainPayload(action.session_id, action.priority, action.ttl_s,
+                                          action.continuation_id), action_id)
+        case Demote():
+            return KvDemote(SessionPayload(action.session_id), action_id)
+        case Release():
+            return KvRelease(SessionPayload(action.session_id), action_id)
+        case _:
+            assert_never(action)
+
+
+def envelope(action: Directive, message_id: str) -> Envelope:
+    """One directive, one envelope: each is sent as soon as the policy returns it."""
+    return Envelope(PROTOCOL_VERSION, message_id, [kv_action(action, f"{message_id}.0")])
 
 
 class ZmqDirectiveSink(DirectiveSink):
@@ -43,8 +64,7 @@ class ZmqDirectiveSink(DirectiveSink):
         sock = self._sockets.get(worker) if worker is not None else None
         if sock is None:
             return
-        message = json.dumps(envelope(action, f"sluice-{next(self._ids)}"),
-                             separators=(",", ":")).encode()
+        message = encode_json(envelope(action, f"sluice-{next(self._ids)}"))
         try:
             sock.send(message, zmq.NOBLOCK)
         except zmq.Again:

@@ -1,7 +1,7 @@
 """The ``sluice`` command line.
 
 ``check-config``, ``policies``, ``demo``, ``serve`` (the gateway) and the simulator's
-commands (registered from ``sim.cli``).
+commands (registered from ``entry.sim_commands``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Optional
 
 import typer
 
+from entry.usage_error import usage_error
+
 app = typer.Typer(
     name="sluice",
     help="Sluice: a session-aware admission scheduler for agentic LLM traffic in front of vLLM.",
@@ -20,11 +22,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
 
 
 @app.command(
@@ -60,7 +57,7 @@ def check_config(
         # check-config never passes a file that serve refuses.
         settings = load_serve_config(path)
     except ConfigError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
     names = ", ".join(worker.name for worker in settings.workers)
     typer.echo(f"ok: policy {settings.policy.name}; serve config with "
                f"{len(settings.workers)} worker(s) ({names}), listening on "
@@ -121,12 +118,12 @@ def demo(
     names = tuple(policy) if policy else DEFAULT_POLICIES
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        raise _fail(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+        raise usage_error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
     setup = DemoSetup(concurrency=concurrency, duration_s=duration, seed=seed)
     try:
         run_demo(names, setup, typer.echo, json_path)
     except RuntimeError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
 
 
 @app.command(
@@ -150,7 +147,7 @@ def serve(
     try:
         settings = load_serve_config(config)
     except ConfigError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
     listen_host = host or settings.listen.host
     listen_port = settings.listen.port if port is None else port
     app_ = create_app(settings)
@@ -185,7 +182,7 @@ def top(
 
 
 def _register_simulator_commands() -> None:
-    from sim.cli import register
+    from entry.sim_commands import register
 
     register(app)
 

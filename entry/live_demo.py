@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import httpx
 import yaml
 
 from entry.agent_client import APIS, AgentClient
+from entry.ports import free_port, free_ports
+from sim.step_time import DEFAULT_PRESET
 from sim.workloads import LogNormal, SwebenchWorkload
 
 ADMIN_TOKEN = "sluice-demo-admin-token"
@@ -40,7 +41,7 @@ class DemoSetup:
     workers: int = 4
     blocks: int = 512
     block_size: int = 16
-    preset: str = "llama3.1-8b-h100"
+    preset: str = DEFAULT_PRESET
     time_scale: float = 0.5
     concurrency: int = 32
     duration_s: float = 25.0
@@ -78,12 +79,6 @@ class DemoSetup:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Fleet:
     """The processes of one run; stopped (and their logs kept) on exit."""
 
@@ -106,7 +101,7 @@ class Fleet:
         setup = self.setup
         workers = []
         for i in range(setup.workers):
-            port, events, directives = _free_port(), _free_port(), _free_port()
+            port, events, directives = free_ports(3)
             self._spawn(f"w{i}", [
                 "simworker", "--port", str(port), "--preset", setup.preset,
                 "--blocks", str(setup.blocks), "--block-size", str(setup.block_size),
@@ -118,7 +113,7 @@ class Fleet:
             workers.append({"name": f"w{i}", "url": f"http://127.0.0.1:{port}",
                             "kv_events": f"tcp://127.0.0.1:{events}",
                             "directives": f"tcp://127.0.0.1:{directives}"})
-        gateway_port = _free_port()
+        gateway_port = free_port()
         config = {
             "listen": {"host": "127.0.0.1", "port": gateway_port},
             "admin_token": ADMIN_TOKEN,

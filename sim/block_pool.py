@@ -25,7 +25,7 @@ pool is vLLM's. Retained sessions' blocks wait in a higher class until the TTL r
 demoted or expired ones go to class 0, ahead of normal blocks. A bias, never a pin: when
 only retained blocks are free, they are evicted.
 
-With ``attribute_removals`` (the engine plugin's V1b, ``controller/vllm_plugin/labels.py``) each
+With ``attribute_removals`` (the engine plugin's V1b, ``sluice_vllm_plugin/labels.py``) each
 ``BlockRemoved`` also names the continuation that first cached the hash and the prefix length
 in tokens it covers; the first caching of a hash wins while any block holds it, and the entry
 goes when the last block holding it is evicted. Off, the events are vLLM's own, byte for byte.

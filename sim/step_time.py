@@ -92,10 +92,14 @@ def _preset(name: str, description: str, *, weights_gb: float, active_params_b: 
     )
 
 
+# What the simulator, the simworker and the demo model when no preset is named.
+DEFAULT_PRESET = "llama3.1-8b-h100"
+
+
 def presets() -> dict[str, StepTimeModel]:
     """Every named preset, built on call (nothing is built at import time)."""
     built = [
-        _preset("llama3.1-8b-h100", "Llama-3.1-8B, BF16, one H100 SXM 80 GB",
+        _preset(DEFAULT_PRESET, "Llama-3.1-8B, BF16, one H100 SXM 80 GB",
                 weights_gb=16.1, active_params_b=8.0, kv_bytes_per_token=131072,
                 hbm_gb=80, bandwidth_tb_s=3.35),
         _preset("llama3.1-8b-h200", "Llama-3.1-8B, BF16, one H200 141 GB",

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_text, parse_policy_config
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import CEILING, DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, workload_feed
-from sim.step_time import presets
+from sim.step_time import DEFAULT_PRESET, presets
 
 
 class SweepConfig(BaseModel):
@@ -27,7 +27,7 @@ class SweepConfig(BaseModel):
     name: str
     workload: str = "swebench"
     workers: Annotated[int, Field(gt=0)] = 8
-    preset: str = "llama3.1-8b-h100"
+    preset: str = DEFAULT_PRESET
     duration_s: Annotated[float, Field(gt=0)] = 1800.0
     seed: int = 7
     block_size: Annotated[int, Field(gt=0)] = DEFAULT_BLOCK_SIZE

@@ -16,7 +16,6 @@ Environment: ``SLUICE_VLLM_VENV`` points at another vLLM virtualenv.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -25,17 +24,10 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-# The gateway harness (and its fake worker) live with the integration tests.
-for path in (HERE, REPO / "tests" / "integration"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from vllm_fleet import Fleet, KvEventTap  # noqa: E402
+from tests.support.vllm_fleet import Fleet, KvEventTap
+from tests.support.vllm_venv import ROOT, build_vllm_venv, vllm_importable, vllm_venv
 
 WORKER_NAMES = ("w0", "w1")
-SETUP_TIMEOUT_S = 3600
 TIMINGS: dict[str, float] = {}
 # The fleet of this session, and the last test that uses it: the workers stop right after
 # that test instead of idling through the rest of the suite.
@@ -48,45 +40,24 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "e2e: end-to-end against real vLLM CPU workers (tests/e2e; builds .venv-vllm on first use)")
 
 
-def vllm_venv() -> Path:
-    return Path(os.environ.get("SLUICE_VLLM_VENV", REPO / ".venv-vllm"))
-
-
-def _vllm_importable(python: Path) -> bool:
-    if not python.exists():
-        return False
-    probe = subprocess.run([str(python), "-c", "import importlib.util, sys; "
-                            "sys.exit(0 if importlib.util.find_spec('vllm') else 1)"],
-                           capture_output=True, timeout=60)
-    return probe.returncode == 0
-
-
 @pytest.fixture(scope="session")
 def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = vllm_venv() / "bin" / "python"
-    if _vllm_importable(python):
+    if vllm_importable(python):
         return python
-    if "SLUICE_VLLM_VENV" in os.environ:
-        pytest.fail(f"SLUICE_VLLM_VENV={os.environ['SLUICE_VLLM_VENV']} has no importable vllm")
     log = tmp_path_factory.mktemp("vllm-venv") / "setup.log"
     print(f"\n[e2e] .venv-vllm missing: running scripts/setup_vllm_venv.sh (log {log})",
           file=sys.__stderr__, flush=True)
     started = time.monotonic()
-    with open(log, "w") as out:
-        result = subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm_venv.sh")], cwd=REPO,
-                                stdout=out, stderr=subprocess.STDOUT, timeout=SETUP_TIMEOUT_S)
+    build_vllm_venv(log)
     TIMINGS["venv_setup_s"] = time.monotonic() - started
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-    if result.returncode != 0 or not _vllm_importable(python):
-        pytest.fail(f"scripts/setup_vllm_venv.sh failed (exit {result.returncode}); the real-vLLM "
-                    f"tier cannot run. Log {log}:\n{tail}", pytrace=False)
     return python
 
 
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
-    result = subprocess.run([str(vllm_python), str(REPO / "scripts" / "make_tiny_model.py"), str(out)],
+    result = subprocess.run([str(vllm_python), str(ROOT / "scripts" / "make_tiny_model.py"), str(out)],
                             capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         pytest.fail(f"make_tiny_model.py failed:\n{result.stdout}\n{result.stderr}", pytrace=False)

@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway_harness import Gateway, gateway, serve_config, wait_for
+from tests.support.gateway_harness import Gateway, gateway, serve_config, wait_for
 from scheduler.kv_events import EventBatchDecoder
-from vllm_fleet import (
+from tests.support.vllm_fleet import (
     BLOCK_SIZE,
     CAPACITY_TOKENS,
     MODEL_NAME,

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway_harness import wait_for
-from test_vllm_gateway import (
+from tests.support.gateway_harness import wait_for
+from tests.e2e.test_vllm_gateway import (
     cached_tokens,
     chat,
     client_for,
@@ -28,7 +28,7 @@ from test_vllm_gateway import (
     sluice,
     words,
 )
-from vllm_fleet import BLOCK_SIZE, MODEL_NAME, NUM_BLOCKS, Fleet
+from tests.support.vllm_fleet import BLOCK_SIZE, MODEL_NAME, NUM_BLOCKS, Fleet
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import time
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch, ZmqEventPublisher
 
-from controller.vllm_plugin import epoch
+from sluice_vllm_plugin import epoch
 
 
 def publish_once(ctx: zmq.Context, endpoint: str) -> list[str]:

@@ -31,11 +31,8 @@ import pytest
 
 from scheduler.kv_events import EventBatchEncoder
 from sim.block_pool import BlockPool, PoolExhausted
+from tests.support.vllm_venv import ROOT, build_vllm_venv, vllm_python
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_VENV = ROOT / ".venv-vllm"
-VLLM_PY = VLLM_VENV / "bin" / "python"
-SETUP_SCRIPT = ROOT / "scripts" / "setup_vllm_venv.sh"
 DRIVER = Path(__file__).resolve().parent / "vllm_blockpool_driver.py"
 
 SEEDS = list(range(30))
@@ -133,36 +130,24 @@ def generate_sequence(seed: int, n_ops: int = OPS_PER_SEQUENCE) -> dict:
 # -- running vLLM ---------------------------------------------------------------------------
 
 
-def _setup_vllm_venv() -> None:
-    proc = subprocess.run(["bash", str(SETUP_SCRIPT)], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0 or not VLLM_PY.exists():
-        pytest.fail(
-            f"could not create the vLLM venv with {SETUP_SCRIPT} (rc={proc.returncode}); the "
-            f"fidelity test needs it.\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}",
-            pytrace=False,
-        )
-
-
 def _run_driver(ops_path: Path, out_path: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONHASHSEED")}
     env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
-    return subprocess.run([str(VLLM_PY), str(DRIVER), str(ops_path), "-o", str(out_path)],
+    return subprocess.run([str(vllm_python()), str(DRIVER), str(ops_path), "-o", str(out_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="session")
 def fidelity_runs(tmp_path_factory) -> dict[int, tuple[dict, list[dict]]]:
     """seed -> (sequence, vLLM's per-op results), from one driver run for all seeds."""
-    if not VLLM_PY.exists():
-        _setup_vllm_venv()
     sequences = [generate_sequence(seed) for seed in SEEDS]
     tmp = tmp_path_factory.mktemp("fidelity")
     ops_path, out_path = tmp / "ops.json", tmp / "vllm.json"
     ops_path.write_text(json.dumps({"sequences": sequences}))
     proc = _run_driver(ops_path, out_path)
     if proc.returncode != 0 and ("ModuleNotFoundError" in proc.stderr or "ImportError" in proc.stderr):
-        _setup_vllm_venv()  # a broken venv: the script repairs it (it is idempotent)
+        build_vllm_venv()  # a broken venv: the script repairs it (it is idempotent)
         proc = _run_driver(ops_path, out_path)
     if proc.returncode != 0:
         pytest.fail(f"vLLM driver failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}",

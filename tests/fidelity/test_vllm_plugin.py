@@ -1,4 +1,4 @@
-"""The engine plugin (``controller.vllm_plugin``) on vLLM 0.32's real ``BlockPool``.
+"""The engine plugin (``sluice_vllm_plugin``) on vLLM 0.32's real ``BlockPool``.
 
 ``vllm_plugin_driver.py`` runs in the vLLM venv with the repository on ``PYTHONPATH`` (the plugin
 is not installed there), applies the plugin, runs the fixed label scenarios (V1a / V1b) and the
@@ -21,7 +21,7 @@ import pytest
 from scheduler.kv_events import BlockRemoved, BlockStored, EventBatchDecoder
 from sim.block_pool import BlockPool as SimPool
 
-from vllm_venv import ROOT, run_check, vllm_env, vllm_python
+from tests.support.vllm_venv import ROOT, run_check, vllm_env, vllm_python
 
 DRIVER = Path(__file__).resolve().parent / "vllm_plugin_driver.py"
 SEEDS = list(range(20))
@@ -268,8 +268,8 @@ import json, logging, multiprocessing, os
 os.environ.pop("SLUICE_PLUGIN", None)
 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 import vllm
-import controller.vllm_plugin as plugin
-from controller.vllm_plugin import labels, retention
+import sluice_vllm_plugin as plugin
+from sluice_vllm_plugin import labels, retention
 out = {}
 plugin.register()                                   # API-server-like process: not applied
 out["main_process"] = labels.is_applied()
@@ -313,7 +313,7 @@ def test_register_gating_and_malformed_directives(driver_out):
 _DIRECTIVE_CHECK = r"""
 import json, sys, time
 import msgspec, zmq
-from controller.vllm_plugin import directives, retention
+from sluice_vllm_plugin import directives, retention
 from vllm.v1.core.block_pool import BlockPool
 retention.apply()
 pool = BlockPool(6, True, 4, enable_kv_cache_events=True)

@@ -13,7 +13,7 @@ import pytest
 from controller.subscriber import publisher_epoch
 from scheduler.kv_events import AllBlocksCleared, EventBatchDecoder
 
-from vllm_venv import ROOT, vllm_env, vllm_python
+from tests.support.vllm_venv import ROOT, vllm_env, vllm_python
 
 DRIVER = Path(__file__).resolve().parent / "epoch_driver.py"
 

@@ -1,4 +1,4 @@
-"""Drive vLLM's real ``BlockPool`` with Sluice's plugin (``controller.vllm_plugin``) applied.
+"""Drive vLLM's real ``BlockPool`` with Sluice's plugin (``sluice_vllm_plugin``) applied.
 
 Run in the vLLM venv with the repository on ``PYTHONPATH`` (the plugin is not installed there):
 
@@ -40,8 +40,8 @@ from vllm.v1.core import kv_cache_utils as kcu  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from controller import vllm_plugin  # noqa: E402
-from controller.vllm_plugin import labels, retention  # noqa: E402
+import sluice_vllm_plugin as vllm_plugin  # noqa: E402
+from sluice_vllm_plugin import labels, retention  # noqa: E402
 
 _enc = msgspec.msgpack.Encoder()
 kcu.init_none_hash(sha256)

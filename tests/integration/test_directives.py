@@ -1,14 +1,15 @@
 """The policy's retention actions reach each worker's engine plugin as KvHint envelopes over
-a real ZMQ socket, in the shape the plugin's parser accepts."""
+a real ZMQ socket, in the shape the plugin's envelope module decodes."""
 
 from __future__ import annotations
 
 import json
 
 import zmq
-from gateway_harness import chat, fakes, free_port, gateway, serve_config
 
-from scheduler.directive_envelope import parse_envelope
+from entry.ports import free_port
+from sluice_vllm_plugin.directive_envelope import KvRetain, RetainPayload, decode
+from tests.support.gateway_harness import chat, fakes, gateway, serve_config
 
 
 def _envelopes_for_call(headers: dict[str, str]) -> tuple[list[dict], str]:
@@ -48,7 +49,9 @@ def test_a_placed_program_is_retained_on_its_worker_through_the_plugin_socket():
     action = envelope["actions"][0]
     assert action["payload"]["session_id"] == "keep-me"
     assert action["payload"]["priority"] == 90 and action["payload"]["ttl_s"] == 300.0
-    assert parse_envelope(json.dumps(envelope).encode()) == [("retain", "keep-me", 90, 300.0)]
+    decoded = decode(json.dumps(envelope).encode())
+    assert decoded.actions == [KvRetain(RetainPayload("keep-me", 90, 300.0, action["payload"].get(
+        "continuation_id")), action["action_id"])]
 
 
 def test_released_program_sends_a_release_directive():

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from gateway_harness import ADMIN, chat, fakes, gateway, serve_config, wait_for
+from tests.support.gateway_harness import ADMIN, chat, fakes, gateway, serve_config, wait_for
 
 # With ~9 estimated prompt tokens, a program's demand is 9 + growth_reserve 512 + buffer 100
 # ≈ 0.62 of a 1000-token worker: one program per worker fits under pause_threshold 0.95,

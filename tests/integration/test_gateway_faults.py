@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from gateway_harness import chat, fakes, free_port, gateway, serve_config
+from entry.ports import free_port
+from tests.support.gateway_harness import chat, fakes, gateway, serve_config
 
 MESSAGES_BODY = {"model": "fake-model", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -5,7 +5,7 @@ program appears under that session id in /sluice/programs, and the worker sees i
 from __future__ import annotations
 
 import pytest
-from gateway_harness import chat, fakes, gateway, serve_config
+from tests.support.gateway_harness import chat, fakes, gateway, serve_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from gateway_harness import chat, fakes, gateway, serve_config, wait_for
+from tests.support.gateway_harness import chat, fakes, gateway, serve_config, wait_for
 
 TINY = 1000  # one program per worker fits (see test_gateway_admission.py)
 

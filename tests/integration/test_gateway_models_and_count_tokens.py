@@ -6,7 +6,8 @@ Real uvicorn servers on loopback (the gateway and fake vLLM workers), real httpx
 from __future__ import annotations
 
 import pytest
-from gateway_harness import chat, fakes, free_port, gateway, serve_config, wait_for
+from entry.ports import free_port
+from tests.support.gateway_harness import chat, fakes, gateway, serve_config, wait_for
 
 MESSAGES_BODY = {"model": "fake-model", "max_tokens": 6,
                  "messages": [{"role": "user", "content": "hi"}]}

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from gateway_harness import ADMIN, chat, fakes, free_port, gateway, serve_config
+from entry.ports import free_port
+from tests.support.gateway_harness import ADMIN, chat, fakes, gateway, serve_config
 
 from sim.traces import load_sluice
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import yaml
-from gateway_harness import ADMIN, ADMIN_TOKEN, fakes, free_port, gateway, wait_for
+from entry.ports import free_port
+from tests.support.gateway_harness import ADMIN, ADMIN_TOKEN, fakes, gateway, wait_for
 
 from controller.serve_config import load_serve_config
 

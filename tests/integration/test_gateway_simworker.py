@@ -1,4 +1,4 @@
-"""The gateway in front of a real simworker (sim/simworker.py): capacity learnt from its
+"""The gateway in front of a real simworker (simworker/worker.py): capacity learnt from its
 /metrics, a Claude Code session labelled on its KV events, streaming with the usage chunk
 the gateway asked for removed, the real usage in the policy, and the policy's retention
 directives applied by the simworker's engine model."""
@@ -11,10 +11,10 @@ import time
 import msgspec
 import pytest
 import zmq
-from gateway_harness import ServerThread, gateway, serve_config, wait_for
+from tests.support.gateway_harness import ServerThread, gateway, serve_config, wait_for
 
 from scheduler.kv_events import BlockStored, EventBatchDecoder
-from sim.simworker import SimWorkerConfig, create_app
+from simworker.worker import SimWorkerConfig, create_app
 
 BLOCKS, BS = 400, 16
 

@@ -1,4 +1,4 @@
-"""The simulator's commands (sim/cli.py) through the real ``sluice`` typer app: ``sim``,
+"""The simulator's commands (entry/sim_commands.py) through the real ``sluice`` typer app: ``sim``,
 ``replay``, ``sweep``, ``presets``, and ``check-config``'s threshold check.
 
 Runs are short (60 simulated seconds, a handful of programs) so the whole file takes a few

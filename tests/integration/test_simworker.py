@@ -1,4 +1,4 @@
-"""The simworker (sim/simworker.py) as a client sees it: a real uvicorn server on loopback,
+"""The simworker (simworker/worker.py) as a client sees it: a real uvicorn server on loopback,
 real HTTP, a real ZMQ SUB socket on its KV events and a real DEALER on its replay socket."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import pytest
 import uvicorn
 import zmq
 
+from entry.ports import free_port
 from scheduler.kv_events import BlockStored, EventBatchDecoder
-from sim.simworker import SimWorker, SimWorkerConfig, create_app
+from simworker.worker import SimWorker, SimWorkerConfig, create_app
 from sim.step_time import preset
 
 BLOCKS = 400
@@ -437,12 +438,6 @@ def test_a_non_streaming_call_whose_client_disconnects_is_aborted(slow):
 
 
 # -- the command line ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sluice_simworker_command_serves_the_api_metrics_and_kv_events(zctx):

@@ -1,4 +1,4 @@
-"""The simworker's Anthropic Messages and OpenAI Responses APIs (sim/simworker_apis.py), as
+"""The simworker's Anthropic Messages and OpenAI Responses APIs (simworker/apis.py), as
 clients see them over real HTTP on loopback, alone and behind the gateway."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from gateway_harness import ServerThread, gateway, serve_config, wait_for
+from tests.support.gateway_harness import ServerThread, gateway, serve_config, wait_for
 
 from scheduler.kv_events import BlockStored, EventBatchDecoder
-from sim.simworker import SimWorkerConfig, create_app
+from simworker.worker import SimWorkerConfig, create_app
 
 BLOCKS, BS = 400, 16
 MODEL = "sluice-sim"

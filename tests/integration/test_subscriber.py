@@ -23,8 +23,9 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from fake_vllm import FakeState, create_fake
-from gateway_harness import ADMIN, ServerThread, free_port, gateway, serve_config, wait_for
+from tests.support.fake_vllm import FakeState, create_fake
+from entry.ports import free_port
+from tests.support.gateway_harness import ADMIN, ServerThread, gateway, serve_config, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.subscriber import offset_endpoint, worker_from_topic
@@ -37,7 +38,7 @@ from scheduler.kv_events import (
     KVEvent,
 )
 from scheduler.kv_index import KVIndex, WorkerKV
-from sim.simworker import SimWorkerConfig, create_app
+from simworker.worker import SimWorkerConfig, create_app
 
 BS = 16
 END_SEQ = b"\xff" * 8

@@ -22,7 +22,7 @@ from scheduler.coordinates import (
     validate_session_id,
 )
 
-from chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
+from tests.support.chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 

@@ -26,7 +26,7 @@ from controller.identity import (
 )
 from scheduler.coordinates import SessionId, canonical, mint_chain
 
-from chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
+from tests.support.chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

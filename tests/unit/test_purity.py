@@ -6,7 +6,6 @@ interpreter) and statically (what each source file's import statements name).
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import scheduler
+from tests.support.imports import imported_roots
 
 PACKAGE_DIR = Path(scheduler.__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -72,22 +72,6 @@ def test_importing_every_core_module_loads_no_io_stack():
     assert loaded & FORBIDDEN_LOADED == set()
 
 
-def _imported_roots(source: str) -> set[str]:
-    """Top-level names of every module ``source`` imports, wherever the import sits."""
-    roots: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            func = node.func
-            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-            if name in ("__import__", "import_module") and isinstance(node.args[0].value, str):
-                roots.add(node.args[0].value.split(".")[0])
-    return roots
-
-
 def test_the_static_check_sees_every_kind_of_import():
     sample = (
         "import os.path\n"
@@ -99,12 +83,12 @@ def test_the_static_check_sees_every_kind_of_import():
         "    importlib.import_module('datetime')\n"
         "    from . import sibling\n"
     )
-    assert _imported_roots(sample) == {"os", "time", "json", "random", "socket", "datetime"}
+    assert imported_roots(sample) == {"os", "time", "json", "random", "socket", "datetime"}
 
 
 @pytest.mark.parametrize("path", _source_files(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_core_source_imports_no_clock_io_or_randomness(path):
-    bad = _imported_roots(path.read_text(encoding="utf-8")) & FORBIDDEN_IMPORTED
+    bad = imported_roots(path.read_text(encoding="utf-8")) & FORBIDDEN_IMPORTED
     assert not bad, f"{path.relative_to(REPO_ROOT)} imports {sorted(bad)}"
 
 
@@ -112,28 +96,3 @@ def test_the_core_has_source_files_to_check():
     names = {p.name for p in _source_files()}
     assert {"coordinates.py", "calls.py", "programs.py", "kv_events.py", "kv_index.py",
             "ledger.py", "config.py", "actions.py"} <= names
-
-
-# -- one way: core ← shells ← entry points -------------------------------------------------------
-
-# What each package may import of the project's own packages (DESIGN.md §1: the shells never
-# import each other; only the entry points compose both).
-ALLOWED_PROJECT_IMPORTS = {
-    "scheduler": {"scheduler"},
-    "controller": {"scheduler", "controller"},
-    "sim": {"scheduler", "sim"},
-    "entry": {"scheduler", "controller", "sim", "entry"},
-}
-
-
-def _package_sources(package: str) -> list[Path]:
-    return sorted((REPO_ROOT / package).rglob("*.py"))
-
-
-@pytest.mark.parametrize("package", sorted(ALLOWED_PROJECT_IMPORTS))
-def test_dependencies_point_one_way(package):
-    project = set(ALLOWED_PROJECT_IMPORTS)
-    for path in _package_sources(package):
-        used = _imported_roots(path.read_text(encoding="utf-8")) & project
-        wrong = used - ALLOWED_PROJECT_IMPORTS[package]
-        assert not wrong, f"{path.relative_to(REPO_ROOT)} imports {sorted(wrong)}"

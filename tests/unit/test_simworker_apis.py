@@ -1,5 +1,5 @@
 """How the simworker's Anthropic Messages and OpenAI Responses requests become prompts
-(sim/simworker_apis.py), without a server."""
+(simworker/apis.py), without a server."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from array import array
 
 import pytest
 
-from sim.simworker import SimWorkerConfig
-from sim.simworker_apis import (
+from simworker.worker import SimWorkerConfig
+from simworker.apis import (
     AnthropicMessages,
     ResponseStore,
     StoredResponse,

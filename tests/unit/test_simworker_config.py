@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.simworker import SimWorker, SimWorkerConfig
+from simworker.worker import SimWorker, SimWorkerConfig
 from sim.step_time import preset
 
 

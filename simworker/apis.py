@@ -1,7 +1,7 @@
 """The simworker's Anthropic Messages and OpenAI Responses APIs: their requests as prompts,
 their answers, streams and errors.
 
-Both drive the same engine model as chat completions (sim/simworker.py): the request is
+Both drive the same engine model as chat completions (simworker/worker.py): the request is
 turned into chat-template messages and rendered by the same pseudo-tokenizer, so a reply
 sent back verbatim hits the prefix cache through the reply, exactly as in chat.
 
@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 from starlette.responses import JSONResponse, Response
 
-from sim.simworker_calls import BadRequest, Call, CallFailed, error_response
+from simworker.calls import BadRequest, Call, CallFailed, error_response
 from sim.tokens import END, PromptError, PseudoTokenizer, canonical_json
 
 _encode = msgspec.json.Encoder().encode

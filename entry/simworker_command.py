@@ -1,6 +1,6 @@
-"""``sluice simworker``: serve the engine model as a vLLM-like worker (sim/simworker.py).
+"""``sluice simworker``: serve the engine model as a vLLM-like worker (simworker/worker.py).
 
-Registered on the ``sluice`` app by ``sim.cli.register``. Bad options print ``error: ...`` and
+Registered on the ``sluice`` app by ``entry.sim_commands.register``. Bad options print ``error: ...`` and
 exit with status 2; a KV-event endpoint that cannot be bound stops the server at startup.
 """
 
@@ -12,14 +12,8 @@ from typing import Optional
 
 import typer
 
-from sim.step_time import presets
-
-DEFAULT_PRESET = "llama3.1-8b-h100"
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
+from entry.usage_error import usage_error
+from sim.step_time import DEFAULT_PRESET, presets
 
 
 def _configure_logging() -> None:
@@ -70,17 +64,17 @@ def simworker(
 ) -> None:
     """Serve the OpenAI API, /metrics and vLLM-format KV events from the simulated engine."""
     if preset not in presets():
-        raise _fail(f"unknown preset {preset!r}; choose from {', '.join(presets())}")
+        raise usage_error(f"unknown preset {preset!r}; choose from {', '.join(presets())}")
     if not time_scale > 0:
-        raise _fail(f"--time-scale must be > 0, got {time_scale}")
+        raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     if not prefill_scale > 0:
-        raise _fail(f"--prefill-scale must be > 0, got {prefill_scale}")
+        raise usage_error(f"--prefill-scale must be > 0, got {prefill_scale}")
     if not kv_events:
-        raise _fail("--kv-events needs an endpoint such as tcp://*:5557")
+        raise usage_error("--kv-events needs an endpoint such as tcp://*:5557")
 
     import uvicorn
 
-    from sim.simworker import SimWorkerConfig, create_app
+    from simworker.worker import SimWorkerConfig, create_app
 
     config = SimWorkerConfig(name=name, model=model, preset=preset, num_blocks=blocks,
                              block_size=block_size, kv_events=kv_events, replay=replay or None,

@@ -4,7 +4,7 @@
   epoch]``, ``seq`` counting from 0, ``payload`` the msgpack ``[ts, events, data_parallel_rank]``
   (``scheduler.kv_events.EventBatch``, rank 0 as vLLM's publisher fills it in), ``epoch`` 16
   random bytes drawn at each ``open`` (the Sluice engine plugin's per-start stamp,
-  controller/vllm_plugin/epoch.py); replay answers carry no epoch, as with the plugin.
+  sluice_vllm_plugin/epoch.py); replay answers carry no epoch, as with the plugin.
 - Replay ROUTER: a client (DEALER) sends ``[b"", start_seq (8 bytes big-endian)]``; the
   ROUTER answers ``[b"", topic, seq, payload]`` for every buffered batch with seq ≥ start,
   then the end marker ``[b"", b"", b"\\xff" * 8, b""]``. Requests of another shape are

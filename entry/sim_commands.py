@@ -15,32 +15,26 @@ from typing import Optional
 
 import typer
 
+from entry.usage_error import usage_error
 from scheduler.config import POLICY_NAMES, ConfigError
 from sim.report import format_table, with_ceiling_ratio, write_json
 from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, trace_span_s, workload_feed
-from sim.step_time import presets
-
-DEFAULT_PRESET = "llama3.1-8b-h100"
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
+from sim.step_time import DEFAULT_PRESET, presets
 
 
 def _policies(spec: str) -> list[str]:
     names = [name.strip() for name in spec.split(",") if name.strip()]
     if not names:
-        raise _fail("--policy needs at least one policy name")
+        raise usage_error("--policy needs at least one policy name")
     unknown = [name for name in names if name not in POLICY_NAMES]
     if unknown:
-        raise _fail(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+        raise usage_error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
     return names
 
 
 def _check_preset(name: str) -> None:
     if name not in presets():
-        raise _fail(f"unknown preset {name!r}; choose from {', '.join(presets())}")
+        raise usage_error(f"unknown preset {name!r}; choose from {', '.join(presets())}")
 
 
 def _policy_config(path: Path | None):
@@ -52,11 +46,11 @@ def _policy_config(path: Path | None):
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
-        raise _fail(f"{path}: cannot read ({err.strerror or err})") from None
+        raise usage_error(f"{path}: cannot read ({err.strerror or err})") from None
     try:
         return parse_policy_yaml(text, str(path))
     except ConfigError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
 
 
 def _command_line() -> str:
@@ -93,7 +87,7 @@ def sim(
     _check_preset(preset)
     policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
-        raise _fail(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+        raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
         preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
@@ -158,16 +152,16 @@ def replay(
     policy_config = _policy_config(config_path)
     _check_preset(preset)
     if time_scale <= 0:
-        raise _fail(f"--time-scale must be > 0, got {time_scale}")
+        raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     loader_options = _replay_loader_options(fmt, timing, warm_prefix)
     try:
         programs, block_size = replay_programs(fmt, trace, time_scale, **loader_options)
     except TraceError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
     except (ValueError, OSError) as err:
-        raise _fail(f"{trace}: {err}") from None
+        raise usage_error(f"{trace}: {err}") from None
     if not programs:
-        raise _fail(f"{trace}: the trace holds no requests")
+        raise usage_error(f"{trace}: the trace holds no requests")
     _check_fits(programs, preset, block_size, trace)
     span = trace_span_s(programs)
     typer.echo(f"{trace}: {sum(len(p.calls) for p in programs):,} calls in {len(programs):,} "
@@ -209,10 +203,10 @@ def _replay_loader_options(fmt: str, timing: Optional[str], warm_prefix: Optiona
         given = [flag for flag, value in (("--timing", timing), ("--warm-prefix", warm_prefix))
                  if value is not None]
         if given:
-            raise _fail(f"{' and '.join(given)} apply only to --format kvtester")
+            raise usage_error(f"{' and '.join(given)} apply only to --format kvtester")
         return {}
     if timing is not None and timing not in KV_TIMINGS:
-        raise _fail(f"--timing must be one of {', '.join(KV_TIMINGS)}, got {timing!r}")
+        raise usage_error(f"--timing must be one of {', '.join(KV_TIMINGS)}, got {timing!r}")
     options: dict[str, object] = {"timing": timing or "think"}
     if warm_prefix is not None:
         options["warm_prefix_fraction"] = warm_prefix
@@ -239,7 +233,7 @@ def _check_fits(programs, preset: str, block_size: int, trace: Path) -> None:
     if len(offenders) > _OFFENDERS_SHOWN:
         lines.append(f"  and {len(offenders) - _OFFENDERS_SHOWN:,} more")
     verb = "needs" if len(offenders) == 1 else "need"
-    raise _fail(f"{trace}: {_count(len(offenders), 'call')} in {_count(sessions, 'session')} "
+    raise usage_error(f"{trace}: {_count(len(offenders), 'call')} in {_count(sessions, 'session')} "
                 f"{verb} more KV than a worker's whole pool ({capacity:,} tokens under preset "
                 f"{preset!r}):\n" + "\n".join(lines))
 
@@ -267,11 +261,11 @@ def sweep(
     try:
         text = config.read_text(encoding="utf-8")
     except OSError as err:
-        raise _fail(f"{config}: cannot read ({err.strerror or err})") from None
+        raise usage_error(f"{config}: cannot read ({err.strerror or err})") from None
     try:
         spec, policy_config = load_sweep(text, str(config))
     except ConfigError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
     if jobs is not None:
         spec = spec.model_copy(update={"jobs": jobs})
     out = run_sweep(spec, policy_config, _command_line())
@@ -287,7 +281,7 @@ def list_presets() -> None:
 
 
 def register(app: typer.Typer) -> None:
-    from sim.simworker_cli import simworker
+    from entry.simworker_command import simworker
 
     app.command("sim")(sim)
     app.command("replay")(replay)

@@ -23,7 +23,7 @@ scheduler's thread when the pool next allocates (``get_new_blocks``, in the free
 ``popleft_n``) or when :meth:`Retention.drain` is called between steps, never concurrently with an
 allocation. TTLs use ``Retention.clock``
 (``time.monotonic`` by default) from when the directive was posted. The ZMQ directive socket
-that posts here lives in :mod:`controller.vllm_plugin.directives`.
+that posts here lives in :mod:`sluice_vllm_plugin.directives`.
 
 The class rules are written twice on purpose, here and in ``sim/block_pool.py``: this module runs
 inside vLLM's environment, where ``sim/`` (and its dependencies) cannot be imported.

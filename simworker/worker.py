@@ -1,6 +1,6 @@
 """The simworker: the engine model (sim/engine.py) behind vLLM's OpenAI API, in scaled real time.
 
-``sluice simworker`` (sim/simworker_cli.py) serves one of these. The gateway, ``make demo``
+``sluice simworker`` (entry/simworker_command.py) serves one of these. The gateway, ``make demo``
 and the integration tests use it as a stand-in for a vLLM worker: token counts, timing and
 prefix-cache behaviour are the model's, the text is filler (sim/tokens.py says what hits).
 
@@ -14,7 +14,7 @@ next iteration where the last one ended, so throughput stays the model's (a call
 arrived meanwhile may join it that little early); a lag beyond ``max_lag_wall_s`` is
 skipped instead of caught up, logged and counted in ``sluice_simworker:skipped_lag_seconds``.
 
-Endpoints (vLLM 0.32 shapes; the API shapes are sim/simworker_calls.py's ``CallShape``):
+Endpoints (vLLM 0.32 shapes; the API shapes are simworker/calls.py's ``CallShape``):
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: stream (SSE ``data: {...}`` chunks,
   then ``data: [DONE]``) or not. ``usage`` has ``prompt_tokens``, ``completion_tokens``,
   ``total_tokens`` and ``prompt_tokens_details.cached_tokens`` (always: vLLM needs
@@ -27,7 +27,7 @@ Endpoints (vLLM 0.32 shapes; the API shapes are sim/simworker_calls.py's ``CallS
 - ``POST /v1/messages`` (Anthropic Messages, stream or not: ``message_start`` …
   ``message_stop``), ``POST /v1/messages/count_tokens``, ``POST /v1/responses`` (OpenAI
   Responses, stream or not, ``previous_response_id`` continuing a stored answer's tokens):
-  sim/simworker_apis.py says how their requests become prompts and their output lengths.
+  simworker/apis.py says how their requests become prompts and their output lengths.
   Every API drives the same engine, KV events and session labels; errors come in each
   API's own shape.
 - Session id (every API): body ``session_id``, else header ``X-Session-ID``, else
@@ -37,10 +37,10 @@ Endpoints (vLLM 0.32 shapes; the API shapes are sim/simworker_calls.py's ``CallS
 - A client that disconnects (stream or not) has its call aborted: out of the engine, blocks
   freed (cached ones stay cached).
 - ``GET /v1/models``, ``GET /health`` (503 once the engine loop has failed), ``GET /metrics``.
-- KV events on ZMQ (sim/kv_publisher.py), one batch per engine iteration that produced any,
+- KV events on ZMQ (simworker/kv_publisher.py), one batch per engine iteration that produced any,
   with what the Sluice engine plugin adds to vLLM's: ``continuation_id`` on stores, first
   admitter and prefix length on removals, and a per-start epoch frame.
-- Retention directives (``directives`` endpoint, sim/directive_socket.py): the KvHint envelopes
+- Retention directives (``directives`` endpoint, simworker/directive_socket.py): the KvHint envelopes
   the gateway sends to the plugin, applied to the engine's block pool.
 
 Not modelled: ``n`` > 1, batched completion prompts, stop sequences, logprobs, tool-call
@@ -72,11 +72,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from scheduler.kv_events import BlockStored
-from sim.directive_socket import DirectiveSocket
+from simworker.directive_socket import DirectiveSocket
 from sim.engine import Engine, EngineRequest
-from sim.kv_publisher import KvEventPublisher
-from sim.simworker_apis import AnthropicMessages, OpenAIResponses
-from sim.simworker_calls import (
+from simworker.kv_publisher import KvEventPublisher
+from simworker.apis import AnthropicMessages, OpenAIResponses
+from simworker.calls import (
     BadRequest,
     Call,
     CallFailed,
@@ -85,10 +85,9 @@ from sim.simworker_calls import (
     error_response,
     parse_params,
 )
+from sim.step_time import DEFAULT_PRESET
 from sim.step_time import preset as load_preset
 from sim.tokens import PromptError, PseudoTokenizer, block_hashes, filler_start
-
-DEFAULT_PRESET = "llama3.1-8b-h100"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,7 @@ import hashlib
 import json
 import os
 import pickle
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -30,6 +28,7 @@ from typing import Any
 import httpx
 import zmq
 
+from entry.ports import free_ports
 from scheduler.kv_events import BlockStored, EventBatch, EventBatchDecoder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,38 +46,6 @@ LOG_TAIL_LINES = 60
 # is unset (vllm/v1/core/kv_cache_utils.py, vllm/utils/hashing.py); the low 64 bits go on
 # the wire (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES defaults to on).
 _NONE_HASH_SEED = "vllm-none-hash"
-
-
-_RNG = random.SystemRandom()
-_TAKEN: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A port nothing listens on, outside the kernel's ephemeral range: vLLM's own internal
-    sockets (and every other ``bind(0)`` on the machine) draw from that range, so a port
-    picked there may be taken again before the worker binds it."""
-    lo, hi = _ephemeral_range()
-    span = (10000, lo) if lo - 10000 >= 2000 else (hi + 1, 65535)
-    for _ in range(500):
-        port = _RNG.randrange(*span)
-        if port in _TAKEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))  # the events sockets bind tcp://*:PORT
-            except OSError:
-                continue
-        _TAKEN.add(port)
-        return port
-    raise RuntimeError(f"no free port in {span}")
 
 
 def _sha256(obj: Any) -> bytes:
@@ -217,7 +184,7 @@ class Fleet:
 
     def add(self, name: str) -> VllmWorker:
         index = len(self.workers)
-        worker = VllmWorker(name, index, free_port(), free_port(), free_port(), free_port(),
+        worker = VllmWorker(name, index, *free_ports(4),
                             self.workdir / f"{name}.log")
         self.workers.append(worker)
         return worker
@@ -254,7 +221,7 @@ class Fleet:
                             and "Address already in use" in worker.log_tail(400):
                         self.stop(worker)
                         worker.port, worker.events_port, worker.replay_port, worker.directive_port = \
-                            free_port(), free_port(), free_port(), free_port()
+                            free_ports(4)
                         self.spawn(worker)
                         continue
                     if not worker.alive:

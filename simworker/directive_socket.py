@@ -1,12 +1,13 @@
 """The simworker's directive socket: what the Sluice engine plugin does inside vLLM
-(``controller/vllm_plugin/directives.py``), on the simulated engine.
+(``sluice_vllm_plugin/directives.py``), on the simulated engine.
 
 A ZMQ PULL socket (bound if the endpoint holds ``*`` or ``::`` or is ``ipc://`` /
 ``inproc://``, else connected, like the KV-event sockets) receives KvHint envelopes from the
 gateway's directive sender and applies ``kv.retain`` / ``kv.demote`` / ``kv.release`` to the
 engine's block pool, whose retention classes are the plugin's (the fidelity test keeps them
-equal). Envelopes are parsed by the plugin's parser (:mod:`scheduler.directive_envelope`), so both engines accept
-and reject exactly the same input. Directives run on the event loop between engine
+equal). Envelopes are decoded by the plugin's own envelope module
+(:mod:`sluice_vllm_plugin.directive_envelope`), so both engines accept and reject exactly the
+same input. Directives run on the event loop between engine
 iterations, as the plugin applies them between scheduler steps; a TTL counts in virtual time
 from arrival. A malformed envelope is dropped, counted and logged; nothing here stops the
 worker.
@@ -20,8 +21,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from scheduler.directive_envelope import parse_envelope
 from sim.block_pool import BlockPool
+from sluice_vllm_plugin.directive_envelope import KvDemote, KvRelease, KvRetain, decode
 
 
 def _should_bind(endpoint: str) -> bool:
@@ -69,20 +70,21 @@ class DirectiveSocket:
         """Apply one envelope's actions to the pool, or drop it whole if it is malformed."""
         self.received += 1
         try:
-            actions = parse_envelope(message)
+            envelope = decode(message)
         except ValueError as err:  # json and msgspec decode errors are ValueErrors too
             self.dropped += 1
             self._log.warning("malformed directive envelope dropped", problem=str(err),
                               dropped=self.dropped)
             return
         pool, now = self._pool, self._clock()
-        for kind, session_id, priority, ttl_s in actions:
-            if kind == "retain":
-                pool.retain(session_id, priority, ttl_s, now)
-            elif kind == "demote":
-                pool.demote(session_id)
-            else:
-                pool.release(session_id)
+        for action in envelope.actions:
+            match action:
+                case KvRetain(payload=payload):
+                    pool.retain(payload.session_id, payload.priority, payload.ttl_s, now)
+                case KvDemote(payload=payload):
+                    pool.demote(payload.session_id)
+                case KvRelease(payload=payload):
+                    pool.release(payload.session_id)
             self.applied += 1
 
     async def serve(self) -> None:

@@ -1,9 +1,11 @@
-"""Sluice's engine-side vLLM plugin (DESIGN.md §5 "controller/vllm_plugin/").
+"""Sluice's engine-side vLLM plugin, a package of its own: it is installed into vLLM's
+environment alone (``sluice_vllm_plugin/pyproject.toml``, distribution ``sluice-vllm-plugin``;
+``scripts/setup_vllm_venv.sh`` does it) and imports nothing else of Sluice's.
 
 Registered as a ``vllm.general_plugins`` entry point::
 
     [project.entry-points."vllm.general_plugins"]
-    sluice = "controller.vllm_plugin:register"
+    sluice = "sluice_vllm_plugin:register"
 
 vLLM calls ``register()`` in every process that loads general plugins (API server, engine core,
 workers), possibly more than once. The patches only matter where the scheduler's ``BlockPool``
@@ -15,14 +17,16 @@ When vLLM runs the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 applies the patches anywhere, ``SLUICE_PLUGIN=off`` nowhere.
 
 Every KV-event message also carries the publisher's per-start epoch as a fourth frame
-(:mod:`controller.vllm_plugin.epoch`; ``SLUICE_PUBLISHER_EPOCH=off`` turns it off).
+(:mod:`sluice_vllm_plugin.epoch`; ``SLUICE_PUBLISHER_EPOCH=off`` turns it off).
 
 When ``SLUICE_DIRECTIVE_ENDPOINT`` is set the engine core also listens there for retention
-directives (:mod:`controller.vllm_plugin.directives`).
+directives (:mod:`sluice_vllm_plugin.directives`).
 
 On a vLLM other than 0.32.x ``register()`` logs one line and does nothing.
 
-This package imports only the standard library and vLLM (and what vLLM brings).
+This package imports only the standard library, vLLM and what vLLM brings (msgspec, pyzmq);
+the directive envelope it decodes (:mod:`sluice_vllm_plugin.directive_envelope`) is the one the
+gateway encodes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (chat/completions, completions, responses) and Anthropic (messages) shapes, streaming and
 not, and records what reached it.
 
-It is not an engine model (that is ``sim/simworker``): answers are fixed filler, and the
+It is not an engine model (that is ``simworker/``): answers are fixed filler, and the
 test steers each call with request headers, which the gateway forwards like any other:
 
 - ``x-test-status: N``       answer status N with a JSON error body

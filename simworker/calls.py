@@ -4,7 +4,7 @@
 reads the fields every API shares (stream, output limit, session id, vLLM's extra args);
 :class:`CallShape` is what an API provides: how a request body becomes a prompt, and how
 the call's progress becomes that API's body, stream events and errors. The shapes are
-``OpenAICompletions`` (sim/simworker.py) and those of sim/simworker_apis.py.
+``OpenAICompletions`` (simworker/worker.py) and those of simworker/apis.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ clients."""
 from __future__ import annotations
 
 import io
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ import uvicorn
 
 from controller.gateway import create_app
 from controller.serve_config import ServeConfig, parse_serve_config
-from fake_vllm import FakeState, create_fake
+from tests.support.fake_vllm import FakeState, create_fake
 
 ADMIN_TOKEN = "test-admin-token-123"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -48,13 +47,6 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LogSink(io.StringIO):

@@ -4,8 +4,8 @@ The engine core binds a ZMQ PULL socket at ``SLUICE_DIRECTIVE_ENDPOINT`` (e.g. `
 unset means no socket), offset by the data-parallel rank the way vLLM offsets its KV-event
 endpoint (``ZmqEventPublisher.offset_endpoint_port``: tcp port + rank, ``inproc`` gets
 ``_dp<rank>``). The rank is read from the engine-core process name ``EngineCore_DP<rank>``
-(0 otherwise). A background thread receives one envelope per message (the wire format and its parser:
-:mod:`scheduler.directive_envelope`, shared with the gateway and the simworker). Each valid action is posted to every
+(0 otherwise). A background thread receives one envelope per message (the wire format:
+:mod:`sluice_vllm_plugin.directive_envelope`, shared with the gateway and the simworker). Each valid action is posted to every
 patched block pool's inbox (:func:`retention.post`), so it is applied on the scheduler's thread at
 the next allocation, never concurrently with one. A malformed envelope or action is dropped with a
 counter and a log line; nothing here can raise into the engine. Retention is per session for
@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from scheduler.directive_envelope import parse_envelope
+from .directive_envelope import KvDemote, KvRelease, KvRetain, decode
 
 logger = logging.getLogger("sluice.vllm_plugin.directives")
 
@@ -66,14 +66,20 @@ class DirectiveServer:
     def handle(self, message: Any) -> None:
         self.received += 1
         try:
-            actions = parse_envelope(message)
+            envelope = decode(message)
         except Exception as exc:
             self.dropped += 1
             logger.warning("sluice directives: dropped malformed envelope (%s); %d dropped",
                            exc, self.dropped)
             return
-        for kind, session, priority, ttl in actions:
-            self._post(kind, session, priority, ttl)
+        for action in envelope.actions:
+            match action:
+                case KvRetain(payload=payload):
+                    self._post("retain", payload.session_id, payload.priority, payload.ttl_s)
+                case KvDemote(payload=payload):
+                    self._post("demote", payload.session_id)
+                case KvRelease(payload=payload):
+                    self._post("release", payload.session_id)
             self.applied += 1
 
     def _run(self) -> None:

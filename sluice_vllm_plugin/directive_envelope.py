@@ -1,0 +1,87 @@
+"""The directive envelope: the wire format of Sluice's retention directives, the one definition
+the gateway's sender (``controller/directives.py``) encodes and the engine plugin
+(:mod:`sluice_vllm_plugin.directives`) and the simworker (``simworker/directive_socket.py``)
+decode, so every engine accepts and rejects exactly the same input.
+
+One KvHint-shaped envelope per message, as JSON (a message that starts with ``{``) or msgpack:
+
+    {"protocol_version": 1, "message_id": str,
+     "actions": [{"action_type": "kv.retain"|"kv.demote"|"kv.release", "action_id": str,
+                  "action_version": int, "payload": {"session_id": str,
+                  "continuation_id": str?, "priority": 0..100, "ttl_s": float ≥ 0}}]}
+
+(``priority`` and ``ttl_s`` only for ``kv.retain``; ``action_id`` and ``action_version`` are
+carried for tracing and may be left out.) Keys this version does not know are
+ignored, so a newer sender's additions reach an older engine harmlessly; a wrong type, a value
+out of range, an unknown ``action_type`` or another ``protocol_version`` rejects the whole
+envelope (:func:`decode` raises ``ValueError``). It lives in the plugin package, which vLLM's
+environment installs on its own, and imports nothing but msgspec (a vLLM dependency too).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+ACTION_VERSION = 1
+
+SessionId = Annotated[str, msgspec.Meta(min_length=1)]
+Priority = Annotated[int, msgspec.Meta(ge=0, le=100)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class RetainPayload(msgspec.Struct, frozen=True, omit_defaults=True):
+    session_id: SessionId
+    priority: Priority
+    ttl_s: Seconds
+    # Carried for the engines; they retain per session for now and ignore it.
+    continuation_id: str | None = None
+
+
+class SessionPayload(msgspec.Struct, frozen=True):
+    session_id: SessionId
+
+
+class KvRetain(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.retain"):
+    """Keep the session's cached blocks at ``priority`` for ``ttl_s`` seconds."""
+    payload: RetainPayload
+    action_id: str = ""
+    action_version: int = ACTION_VERSION
+
+
+class KvDemote(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.demote"):
+    """Evict the session's cached blocks before anyone else's."""
+    payload: SessionPayload
+    action_id: str = ""
+    action_version: int = ACTION_VERSION
+
+
+class KvRelease(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.release"):
+    """Back to plain LRU for the session's cached blocks."""
+    payload: SessionPayload
+    action_id: str = ""
+    action_version: int = ACTION_VERSION
+
+
+KvAction = KvRetain | KvDemote | KvRelease
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    protocol_version: Literal[1]
+    message_id: str
+    actions: list[KvAction]
+
+
+def encode_json(envelope: Envelope) -> bytes:
+    return msgspec.json.encode(envelope)
+
+
+def decode(message: bytes | bytearray | memoryview) -> Envelope:
+    """The envelope in ``message`` (JSON if it starts with ``{``, else msgpack); ``ValueError``
+    (``msgspec.DecodeError`` / ``ValidationError``) if it is malformed in any part."""
+    data = bytes(message)
+    if data[:1] == b"{":
+        return msgspec.json.decode(data, type=Envelope)
+    return msgspec.msgpack.decode(data, type=Envelope)

@@ -1,0 +1,1 @@
+"""Helpers the test tiers, the benchmarks and the experiments share (imported as ``tests.support.*``)."""
