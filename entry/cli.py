@@ -176,7 +176,7 @@ def top(
     try:
         run_top(url.rstrip("/"), token or os.environ.get(token_env), interval, once, typer.echo)
     except TopError as err:
-        raise _fail(str(err)) from None
+        raise usage_error(str(err)) from None
     except KeyboardInterrupt:
         pass
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gateway_harness import ADMIN_TOKEN, chat, fakes, gateway, serve_config
+from tests.support.gateway_harness import ADMIN_TOKEN, chat, fakes, gateway, serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 
