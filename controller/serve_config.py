@@ -29,7 +29,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from scheduler.config import ConfigError, PolicyConfig, _format_errors, load_yaml_text, parse_policy_config
+from scheduler.config import (
+    AnyPolicyConfig,
+    ConfigError,
+    PolicyConfig,
+    format_validation_errors,
+    load_yaml_text,
+    parse_policy_config,
+)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
@@ -182,7 +189,7 @@ class ServeConfig(_Strict):
     # Longest wait for each message of a replay answer before the repair gives up.
     kv_replay_timeout_s: Seconds = 2.0
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
-    policy: PolicyConfig = PolicyConfig()
+    policy: AnyPolicyConfig = PolicyConfig()
 
     _path: Path | None = PrivateAttr(default=None)
 
@@ -252,7 +259,7 @@ def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig:
     try:
         config = ServeConfig.model_validate({**rest, "policy": policy or PolicyConfig()})
     except ValidationError as err:
-        problems.append(_format_errors(err, ""))
+        problems.append(format_validation_errors(err, ""))
         config = None
     if problems:
         raise ConfigError(f"{source}: " + "\n".join(problems).replace("\n", f"\n{source}: "))

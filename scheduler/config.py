@@ -7,27 +7,36 @@ full dotted path, so an operator can find the line to fix.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+import warnings
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
-PolicyName = Literal[
-    "program_aware",
-    "round_robin",
-    "least_loaded",
-    "kv_aware",
-    "sticky_least_loaded",
-    "thunderagent",
-    "continuum",
-    "autellix",
-]
-POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
-
-Fraction = Annotated[float, Field(ge=0.0, le=4.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
 Positive = Annotated[float, Field(gt=0.0)]
+# A share of a worker's KV pool, as U is. U may pass 1.0: the active programs' demand can
+# exceed the pool, and the engine's LRU then evicts what is idle. A threshold above 1.0
+# oversubscribes on purpose; 2.0 (twice the pool) is the ceiling because past it most of
+# every active program's KV could never be resident at once, so each call would re-prefill
+# its context: the thrash that pausing exists to prevent.
+Fraction = Annotated[float, Field(ge=0.0, le=2.0)]
 
+
+# The policies whose section is RouterConfig.
+RouterName = Literal["round_robin", "least_loaded", "kv_aware", "sticky_least_loaded", "continuum",
+                     "autellix"]
 
 # How far below pause_threshold a pause pass stops when pause_target is not given.
 PAUSE_TARGET_GAP = 0.02
@@ -48,8 +57,102 @@ class RetentionConfig(_Strict):
     refresh_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
 
 
-class ProgramAwareConfig(_Strict):
-    """Thresholds of the program-aware policy; see DESIGN.md §3 for each key's meaning."""
+class BaselineConfig(_Strict):
+    """Parameters of the baselines (DESIGN.md §4); each policy's docstring gives its source."""
+
+    # least_loaded (VERL): sessions remembered for stickiness.
+    sticky_lru_size: Annotated[int, Field(ge=1)] = 10_000
+    # kv_aware (Dynamo KV router): weight of prefix overlap against load.
+    kv_overlap_score_weight: NonNegative = 1.0
+    # thunderagent: the published scheduler interval (its tick; ThunderAgentConfig reads it).
+    thunderagent_tick_s: Positive = 5.0
+    # continuum: TTL a program's KV is pinned for after each response — the cold-start
+    # value, then this quantile of observed tool times, capped.
+    continuum_ttl_s: Positive = 2.0
+    continuum_ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    continuum_max_ttl_s: Positive = 60.0
+    continuum_pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
+    # autellix (arXiv 2502.13965): a call of at most this many prompt tokens goes to the
+    # least-used engine, a longer one to its program's engine (Algorithm 2: 2048).
+    autellix_short_call_tokens: Annotated[int, Field(ge=0)] = 2048
+    # autellix PLAS queues: K queues, Q_1 = [0, first_queue_s), each later bound `growth`
+    # times the one before. The paper publishes no values; Sluice's, sized to agent turns.
+    autellix_queues: Annotated[int, Field(ge=1, le=64)] = 8
+    autellix_first_queue_s: Positive = 1.0
+    autellix_queue_growth: Annotated[float, Field(gt=1.0)] = 2.0
+    # autellix anti-starvation β: a call enters Q_1 when its program's waiting time is at
+    # least β times its attained service (§4.2.2; no value published: Sluice's choice).
+    autellix_starvation_ratio: Positive = 8.0
+    # autellix attained service from usage: seconds per output token (one decode step) and
+    # per computed prompt token (sim/step_time.py's llama3.1-8b-h100 preset).
+    autellix_decode_token_s: Positive = 0.02
+    autellix_prefill_token_s: Positive = 3.6e-5
+
+
+class PolicyConfig(_Strict):
+    """The ``policy:`` section: one section per policy, chosen by ``name``.
+
+    The keys every policy reads live here; each section adds its own, and a key that
+    belongs to another policy is an error naming it (a baseline carries no program-aware
+    keys). ``PolicyConfig(**keys)`` builds the section ``keys["name"]`` chooses (the default
+    is ``program_aware``), as :func:`make_policy_config` does for a mapping.
+
+    ``baselines`` is in every section so that one file can tune a comparison of several
+    policies (``sluice sim --policy a,b --config``, a sweep): each policy reads its own knobs.
+    """
+
+    name: str
+    baselines: BaselineConfig = BaselineConfig()
+    idle_release_s: Positive = 600.0
+    # Tokens a REASONING call may still add (its output): what every policy's ledger counts
+    # for a call in flight. Sluice's own default, sized to a typical agent turn (see
+    # sim/workloads.py for the output-length distribution).
+    growth_reserve_tokens: Annotated[int, Field(ge=0)] = 512
+
+    _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
+
+    def __new__(cls, *args: Any, **keys: Any) -> PolicyConfig:
+        if cls is PolicyConfig:
+            # The base names no policy: build the section the name chooses.
+            cls = section_class(keys.get("name", DEFAULT_POLICY))
+        return super().__new__(cls)
+
+    @property
+    def deprecation_notes(self) -> tuple[str, ...]:
+        """Deprecated keys this section was read with, each with what to write instead."""
+        return self._deprecation_notes
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_of_other_policies(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            name = data.get("name", "this policy")
+            for key in data:
+                if key in cls.model_fields or key == "soft_band_penalty" and cls is ProgramAwareConfig:
+                    continue
+                owners = [section for section in _SECTIONS if key in section.model_fields
+                          or key == "soft_band_penalty" and section is ProgramAwareConfig]
+                if owners:
+                    raise ValueError(f"{key}: a key of {_section_names(owners)}; {name} does not "
+                                     "take it")
+        return data
+
+    def for_policy(self, name: str) -> PolicyConfig:
+        """This section as the section of policy ``name``: the keys both take, carried over
+        (how one file configures a comparison of several policies)."""
+        if name == self.name:
+            return self
+        target = section_class(name)
+        shared = {key: getattr(self, key) for key in target.model_fields
+                  if key != "name" and key in type(self).model_fields}
+        return target(name=name, **shared)
+
+
+class ProgramAwareConfig(PolicyConfig):
+    """The ``policy:`` section of Sluice's program-aware policy (``name: program_aware``, the
+    default); scheduler/policies/program_aware.py says what each rule does."""
+
+    name: Literal["program_aware"] = "program_aware"
 
     # v2 defaults (docs/design-notes.md "Policy v2"): pause only past the whole pool; the
     # v1 values (0.95 / 0.80 / 0.10, the Dynamo port's) held ~15% of the pool back. Left
@@ -57,17 +160,16 @@ class ProgramAwareConfig(_Strict):
     # only the threshold stays valid).
     pause_threshold: Fraction = 1.0
     pause_target: Fraction = 1.0 - PAUSE_TARGET_GAP
-    soft_band_penalty: float = -2.0
+    # Calls admitted to a worker with pause_target ≤ U < pause_threshold go this much later
+    # in its queue, and new programs' routing counts it against that worker. It replaces the
+    # signed soft_band_penalty, whose sign was never used (still read, as its magnitude).
+    soft_band_delay_s: NonNegative = 2.0
     resume_hysteresis: Annotated[float, Field(ge=0.0, le=1.0)] = 0.03
     buffer_per_program: Annotated[int, Field(ge=0)] = 100
     resume_priority_boost_s: NonNegative = 1.0
     force_resume_after_s: Positive = 1800.0
     acting_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
-    idle_release_s: Positive = 600.0
     tick_interval_s: Positive = 1.0
-    # Tokens a REASONING call may still add (its output); Sluice's own default, sized to
-    # a typical agent turn (see sim/workloads.py for the output-length distribution).
-    growth_reserve_tokens: Annotated[int, Field(ge=0)] = 512
     # Aging for resume order: a waiting program's size counts half after this long, so a
     # large program is not bypassed forever by a stream of small ones.
     resume_aging_halflife_s: Positive = 60.0
@@ -82,6 +184,30 @@ class ProgramAwareConfig(_Strict):
     dormant_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     tool_time_window: Annotated[int, Field(ge=1)] = 1000
     retention: RetentionConfig = RetentionConfig()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _renamed_keys(cls, data: Any, handler: Any) -> ProgramAwareConfig:
+        """Accept ``soft_band_penalty`` (deprecated) as ``soft_band_delay_s`` = its magnitude,
+        with a warning that is both emitted and kept on the config (``deprecation_notes``)."""
+        notes: list[str] = []
+        if isinstance(data, dict) and "soft_band_penalty" in data:
+            data = dict(data)
+            penalty = data.pop("soft_band_penalty")
+            if "soft_band_delay_s" in data:
+                raise ValueError("soft_band_penalty and soft_band_delay_s both set: keep only "
+                                 "soft_band_delay_s (soft_band_penalty is its deprecated name)")
+            if isinstance(penalty, (int, float)) and not isinstance(penalty, bool):
+                penalty = abs(float(penalty))
+            data["soft_band_delay_s"] = penalty
+            notes.append(f"soft_band_penalty is deprecated: read as soft_band_delay_s: {penalty} "
+                         "(its magnitude); rename the key")
+        config = handler(data)
+        if notes:
+            config._deprecation_notes = (*config._deprecation_notes, *notes)
+            for note in notes:
+                warnings.warn(note, FutureWarning, stacklevel=2)
+        return config
 
     @model_validator(mode="before")
     @classmethod
@@ -107,53 +233,100 @@ class ProgramAwareConfig(_Strict):
         return self
 
 
-class BaselineConfig(_Strict):
-    """Parameters of the baselines (DESIGN.md §4); each policy's docstring gives its source."""
+class RouterConfig(PolicyConfig):
+    """The section of a router without admission control (round_robin, least_loaded,
+    kv_aware, sticky_least_loaded) and of continuum and autellix; their knobs are under
+    ``baselines``."""
 
-    # least_loaded (VERL): sessions remembered for stickiness.
-    sticky_lru_size: Annotated[int, Field(ge=1)] = 10_000
-    # kv_aware (Dynamo KV router): weight of prefix overlap against load.
-    kv_overlap_score_weight: NonNegative = 1.0
-    # thunderagent: the original tick.
-    thunderagent_tick_s: Positive = 5.0
-    # continuum: TTL a program's KV is pinned for after each response — the cold-start
-    # value, then this quantile of observed tool times, capped.
-    continuum_ttl_s: Positive = 2.0
-    continuum_ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
-    continuum_max_ttl_s: Positive = 60.0
-    continuum_pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
-    # autellix (arXiv 2502.13965): a call of at most this many prompt tokens goes to the
-    # least-used engine, a longer one to its program's engine (Algorithm 2: 2048).
-    autellix_short_call_tokens: Annotated[int, Field(ge=0)] = 2048
-    # autellix PLAS queues: K queues, Q_1 = [0, first_queue_s), each later bound `growth`
-    # times the one before. The paper publishes no values; Sluice's, sized to agent turns.
-    autellix_queues: Annotated[int, Field(ge=1, le=64)] = 8
-    autellix_first_queue_s: Positive = 1.0
-    autellix_queue_growth: Annotated[float, Field(gt=1.0)] = 2.0
-    # autellix anti-starvation β: a call enters Q_1 when its program's waiting time is at
-    # least β times its attained service (§4.2.2; no value published: Sluice's choice).
-    autellix_starvation_ratio: Positive = 8.0
-    # autellix attained service from usage: seconds per output token (one decode step) and
-    # per computed prompt token (sim/step_time.py's llama3.1-8b-h100 preset).
-    autellix_decode_token_s: Positive = 0.02
-    autellix_prefill_token_s: Positive = 3.6e-5
+    name: RouterName
+    tick_interval_s: Positive = 1.0
 
 
-class PolicyConfig(ProgramAwareConfig):
-    """The ``policy:`` section: which policy runs, its thresholds and baseline knobs."""
+class ThunderAgentConfig(PolicyConfig):
+    """ThunderAgent as published: only what the published code lets an operator set. Its
+    thresholds are pinned (scheduler/policies/thunderagent.py); its tick is
+    ``baselines.thunderagent_tick_s``."""
 
-    name: PolicyName = "program_aware"
-    baselines: BaselineConfig = BaselineConfig()
+    name: Literal["thunderagent"] = "thunderagent"
+    force_resume_after_s: Positive = 1800.0
+    acting_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+
+    @property
+    def tick_interval_s(self) -> float:
+        return self.baselines.thunderagent_tick_s
+
+
+DEFAULT_POLICY = "program_aware"
+_SECTIONS: tuple[type[PolicyConfig], ...] = (ProgramAwareConfig, ThunderAgentConfig, RouterConfig)
+_UNION_TAGS = ("program_aware", "thunderagent", "router")
+
+
+def _section_names(sections: list[type[PolicyConfig]]) -> str:
+    return " / ".join(name for section in sections for name in _names_of(section))
+
+
+def _names_of(section: type[PolicyConfig]) -> tuple[str, ...]:
+    return get_args(section.model_fields["name"].annotation)
+
+
+# Every policy a config can name, derived from the sections (the registry in
+# scheduler.policies maps each to its class, and a test keeps the two equal).
+POLICY_NAMES: tuple[str, ...] = tuple(name for section in _SECTIONS for name in _names_of(section))
+PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]
+
+
+def section_class(name: str) -> type[PolicyConfig]:
+    """The config section of policy ``name``."""
+    for section in _SECTIONS:
+        if name in _names_of(section):
+            return section
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+
+
+def _policy_name(data: Any) -> str:
+    if isinstance(data, dict):
+        return data.get("name", DEFAULT_POLICY)
+    return getattr(data, "name", DEFAULT_POLICY)
+
+
+# A policy section as pydantic validates it: a union discriminated by ``name`` (absent: the
+# default policy). Use it as a field's type; :func:`make_policy_config` validates a mapping.
+AnyPolicyConfig = Annotated[
+    Union[
+        Annotated[ProgramAwareConfig, Tag("program_aware")],
+        Annotated[ThunderAgentConfig, Tag("thunderagent")],
+        Annotated[RouterConfig, Tag("router")],
+    ],
+    Discriminator(lambda data: {"program_aware": "program_aware", "thunderagent": "thunderagent"}
+                  .get(_policy_name(data), "router")),
+]
+
+
+@functools.cache
+def _adapter() -> TypeAdapter[PolicyConfig]:
+    return TypeAdapter(AnyPolicyConfig)
+
+
+def make_policy_config(data: dict[str, Any] | None = None) -> PolicyConfig:
+    """Validate a mapping as the section its ``name`` chooses (pydantic's errors)."""
+    name = _policy_name(data or {})
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+    return _adapter().validate_python(data or {})
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names every offending key."""
 
 
-def _format_errors(err: ValidationError, prefix: str) -> str:
+def format_validation_errors(err: ValidationError, prefix: str) -> str:
+    """One line per error, each naming its key by its dotted path under ``prefix``."""
     lines = []
     for item in err.errors():
-        loc = ".".join(str(part) for part in item["loc"])
+        parts = item["loc"]
+        if parts and parts[0] in _UNION_TAGS:
+            parts = parts[1:]  # the union's tag: which section was read, not a key
+        loc = ".".join(str(part) for part in parts)
         msg = item["msg"].removeprefix("Value error, ")
         if not loc:
             lines.append(f"{prefix}: {msg}" if prefix else msg)
@@ -163,15 +336,20 @@ def _format_errors(err: ValidationError, prefix: str) -> str:
 
 
 def parse_policy_config(data: Any, prefix: str = "policy") -> PolicyConfig:
-    """Validate a mapping as a :class:`PolicyConfig`; errors name ``prefix.key``."""
+    """Validate a mapping as the :class:`PolicyConfig` section its ``name`` chooses; errors
+    name ``prefix.key``."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
+    name = data.get("name", DEFAULT_POLICY)
+    if not isinstance(name, str) or name not in POLICY_NAMES:
+        raise ConfigError(f"{prefix}.name: unknown policy {name!r}; choose from "
+                          f"{', '.join(POLICY_NAMES)}")
     try:
-        return PolicyConfig.model_validate(data)
+        return make_policy_config(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, prefix)) from None
+        raise ConfigError(format_validation_errors(err, prefix)) from None
 
 
 def load_yaml_text(text: str, source: str) -> Any:

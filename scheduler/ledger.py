@@ -17,12 +17,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from scheduler.config import ProgramAwareConfig
 from scheduler.kv_index import KVIndex
 from scheduler.programs import Phase, Program
 
 UNKNOWN_CAPACITY_UTILIZATION = float("inf")
+
+
+class TokenWeights(Protocol):
+    """How the ledger counts a program's tokens in ``U`` (a program-aware config is one)."""
+
+    @property
+    def acting_token_weight(self) -> float: ...
+    @property
+    def dormant_token_weight(self) -> float: ...
+    @property
+    def buffer_per_program(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FixedTokenWeights:
+    """Weights for a policy whose config does not set them: the program-aware defaults, so
+    every policy's ``U`` is measured alike."""
+
+    acting_token_weight: float = 1.0
+    dormant_token_weight: float = 0.0
+    buffer_per_program: int = 100
 
 
 @dataclass(slots=True)
@@ -55,17 +76,21 @@ class WorkerLoad:
 
 
 class Ledger:
-    def __init__(self, config: ProgramAwareConfig, index: KVIndex) -> None:
-        self._config = config
+    def __init__(self, weights: TokenWeights, index: KVIndex) -> None:
+        self._config = weights
         self._index = index
         self._workers: dict[str, WorkerLoad] = {}
         self._counted: dict[str, _Counted] = {}
         # ACTING programs counted at weight 0 (see set_dormant); cleared when they reason
         self._dormant: set[str] = set()
 
-    def reconfigure(self, config: ProgramAwareConfig) -> None:
-        """Swap thresholds; contributions are recomputed as programs next change."""
-        self._config = config
+    def reconfigure(self, weights: TokenWeights) -> None:
+        """Swap weights; contributions are recomputed as programs next change."""
+        self._config = weights
+
+    @property
+    def weights(self) -> TokenWeights:
+        return self._config
 
     # -- workers -------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ Every transition is a method that checks the current state; an illegal one raise
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.calls import CallRequest, Usage
@@ -50,7 +51,6 @@ class Program:
     waiting: list[str] = field(default_factory=list)
     steps: int = 0
     acting_since: float | None = None
-    paused_since: float | None = None
     last_activity: float = 0.0
     chain: ContinuationChain | None = None
     chain_tokens: tuple[int, ...] | None = None
@@ -78,10 +78,15 @@ class Program:
             return max(self.context_tokens, max(self.in_flight.values()))
         return self.context_tokens
 
-    def waiting_demand_tokens(self, reserve: int, prompt_tokens: dict[str, int]) -> int:
-        """Demand once its waiting calls are admitted (used to place held programs)."""
-        biggest = max((prompt_tokens.get(r, 0) for r in self.waiting), default=0)
-        return max(self.context_tokens, biggest + reserve if self.waiting else 0)
+    def waiting_demand_tokens(self, reserve: int, prompt_tokens: Callable[[str], int]) -> int:
+        """Demand once its waiting calls are admitted (what a held program is placed by):
+        :meth:`demand_tokens` — more than the context while calls are still in flight, so a
+        program re-homed mid-call brings their demand along — or the largest waiting prompt
+        plus ``reserve``."""
+        demand = self.demand_tokens()
+        if self.waiting:
+            return max(demand, max(prompt_tokens(r) for r in self.waiting) + reserve)
+        return demand
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -133,7 +138,7 @@ class Program:
             raise IllegalTransition(f"{self.session_id}: already marked")
         self.marked = True
 
-    def pause(self, now: float) -> None:
+    def pause(self) -> None:
         """ACTIVE+ACTING → PAUSED. Calls in flight are never aborted, so REASONING raises."""
         if self.lifecycle is not Lifecycle.ACTIVE or self.phase is not Phase.ACTING:
             raise IllegalTransition(
@@ -142,7 +147,6 @@ class Program:
             )
         self.lifecycle = Lifecycle.PAUSED
         self.marked = False
-        self.paused_since = now
 
     def resume(self, worker: str, now: float) -> None:
         """PAUSED or PENDING → ACTIVE on ``worker`` (which becomes its home)."""
@@ -150,8 +154,21 @@ class Program:
             raise IllegalTransition(f"{self.session_id}: resume() on an ACTIVE program")
         self.lifecycle = Lifecycle.ACTIVE
         self.home_worker = worker
-        self.paused_since = None
         self.last_activity = now
+
+    def move_home(self, worker: str) -> None:
+        """An ACTIVE program's next call runs on another worker, which becomes its home."""
+        if self.lifecycle is not Lifecycle.ACTIVE:
+            raise IllegalTransition(f"{self.session_id}: move_home() needs ACTIVE, is {self.lifecycle.name}")
+        self.home_worker = worker
+
+    def unhome(self) -> None:
+        """Forget the placement (its worker failed): an ACTIVE program is PENDING again and is
+        placed afresh; a PAUSED one stays paused and resumes anywhere. Calls still in flight
+        on the failed worker run out; their demand comes along."""
+        self.home_worker = None
+        if self.lifecycle is Lifecycle.ACTIVE:
+            self.lifecycle = Lifecycle.PENDING
 
     def hold(self, request_id: str, now: float) -> None:
         """A call arrived that may not run yet (program PENDING or PAUSED)."""

@@ -15,10 +15,14 @@ from bisect import bisect_left, insort
 from collections.abc import Iterator
 
 WAITING, NEW, IDLE = 0, 1, 2
+# The lazy heaps may run this far past twice the entries they index before they are rebuilt.
+HEAP_SLACK = 16
 
 
 class ResumeQueue:
-    """Invariant: ``_order`` is sorted and holds exactly one key per entry of ``_keys``."""
+    """Invariants: ``_order`` is sorted and holds exactly one key per entry of ``_keys``; the
+    lazy heaps hold at most ``2·len + HEAP_SLACK`` entries (``2·with_calls + HEAP_SLACK`` for
+    the largest-waiting one), stale ones dropped when they would hold more."""
 
     def __init__(self, halflife_s: float) -> None:
         if halflife_s <= 0:
@@ -51,16 +55,10 @@ class ResumeQueue:
         self._demand[session] = demand
         insort(self._order, key)
         heapq.heappush(self._smallest, (demand, session))
-        if len(self._smallest) > 4 * len(self._keys) + 64:
-            self._smallest = [(d, s) for s, d in self._demand.items()]
-            heapq.heapify(self._smallest)
         if group != IDLE:
             self._with_calls += 1
             heapq.heappush(self._largest_waiting, (-demand, session))
-            if len(self._largest_waiting) > 4 * self._with_calls + 64:
-                self._largest_waiting = [(-self._demand[s], s) for s, key in self._keys.items()
-                                         if key[0] != IDLE]
-                heapq.heapify(self._largest_waiting)
+        self._trim()
 
     def discard(self, session: str) -> None:
         key = self._keys.pop(session, None)
@@ -70,6 +68,17 @@ class ResumeQueue:
         del self._order[bisect_left(self._order, key)]
         if key[0] != IDLE:
             self._with_calls -= 1
+        self._trim()
+
+    def _trim(self) -> None:
+        """Rebuild a lazy heap that outgrew the entries it indexes (O(n) once per ~n changes)."""
+        if len(self._smallest) > 2 * len(self._keys) + HEAP_SLACK:
+            self._smallest = [(d, s) for s, d in self._demand.items()]
+            heapq.heapify(self._smallest)
+        if len(self._largest_waiting) > 2 * self._with_calls + HEAP_SLACK:
+            self._largest_waiting = [(-self._demand[s], s) for s, key in self._keys.items()
+                                     if key[0] != IDLE]
+            heapq.heapify(self._largest_waiting)
 
     def min_demand(self) -> int | None:
         heap = self._smallest

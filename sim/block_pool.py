@@ -354,15 +354,6 @@ class BlockPool:
             self._block_class[block_id] = cls
             self._free.setdefault(cls, OrderedDict())[block_id] = None
 
-    def _set_owner(self, block_id: int, session_id: str) -> None:
-        previous = self._block_session[block_id]
-        if previous == session_id:
-            return
-        if previous is not None:
-            self._session_blocks[previous].pop(block_id, None)
-        self._block_session[block_id] = session_id
-        self._session_blocks.setdefault(session_id, {})[block_id] = None
-
     def _forget_owner(self, block_id: int) -> None:
         previous = self._block_session[block_id]
         if previous is not None:

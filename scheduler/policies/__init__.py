@@ -31,12 +31,13 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(config: PolicyConfig | None = None, name: str | None = None) -> Policy:
-    """Build a fresh policy; ``name`` overrides ``config.name``."""
+    """Build a fresh policy; ``name`` overrides ``config.name``, and the policy then reads
+    the keys its own section shares with ``config`` (one file configures a comparison)."""
     config = config or PolicyConfig()
     if name is not None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-        config = config.model_copy(update={"name": name})
+        config = config.for_policy(name)
     return POLICIES[config.name](config)
 
 

@@ -13,7 +13,6 @@ every policy is measured on the same state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler.actions import Action, Admit, Decision, Hold, Release
@@ -22,8 +21,8 @@ from scheduler.config import PolicyConfig
 from scheduler.coordinates import SessionId
 from scheduler.kv_events import EventBatch
 from scheduler.kv_index import KVIndex
-from scheduler.ledger import Ledger
-from scheduler.programs import Lifecycle, Program
+from scheduler.ledger import FixedTokenWeights, Ledger, TokenWeights
+from scheduler.programs import Program
 
 
 class UnknownCall(KeyError):
@@ -67,7 +66,7 @@ class Policy(ABC):
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.index = KVIndex()
-        self.ledger = Ledger(config, self.index)
+        self.ledger = Ledger(self.token_weights(config), self.index)
         self.programs: dict[SessionId, Program] = {}
         self.calls: dict[str, Call] = {}
         self.stats = PolicyStats()
@@ -83,7 +82,12 @@ class Policy(ABC):
         if config.name != self.config.name:
             raise ValueError(f"cannot switch policy from {self.config.name} to {config.name} live")
         self.config = config
-        self.ledger.reconfigure(config)
+        self.ledger.reconfigure(self.token_weights(config))
+
+    def token_weights(self, config: PolicyConfig) -> TokenWeights:
+        """How this policy's ledger counts tokens in ``U``; a policy whose config does not set
+        them measures with the program-aware defaults."""
+        return FixedTokenWeights()
 
     def add_worker(self, name: str, capacity_tokens: int | None = None) -> None:
         self.ledger.add_worker(name, capacity_tokens)
@@ -105,9 +109,7 @@ class Policy(ABC):
 
     def _unhome(self, program: Program, now: float) -> list[Action]:
         """Forget a program's placement so its next call is placed afresh."""
-        program.home_worker = None
-        if program.active:
-            program.lifecycle = Lifecycle.PENDING
+        program.unhome()
         self.ledger.refresh(program)
         return []
 
@@ -196,7 +198,7 @@ class Policy(ABC):
         if program.pending:
             program.place(worker, now)
         elif program.home_worker != worker:
-            program.home_worker = worker
+            program.move_home(worker)
         call.worker = worker
         program.begin_call(call.request, self.config.growth_reserve_tokens, now)
         self.ledger.refresh(program)
@@ -217,9 +219,10 @@ class Policy(ABC):
         self.ledger.refresh(program)
         return call, program
 
-    def _admit_waiting(self, program: Program, worker: str, now: float, resumed: bool) -> list[Action]:
-        """Dispatch every held call of an ACTIVE program to ``worker``."""
-        boost = self.config.resume_priority_boost_s if resumed else 0.0
+    def _admit_waiting(self, program: Program, worker: str, now: float, resumed: bool,
+                       boost: float = 0.0) -> list[Action]:
+        """Dispatch every held call of an ACTIVE program to ``worker``, ``boost`` seconds
+        ahead of their arrival in the engine's queue."""
         actions: list[Action] = []
         for request_id in program.take_waiting():
             call = self.calls[request_id]
@@ -258,9 +261,6 @@ class Policy(ABC):
         """Every call the policy tracks → its worker (None while held): what a shell checks
         its own view against after a policy error."""
         return {request_id: call.worker for request_id, call in self.calls.items()}
-
-    def held_calls(self) -> Iterable[Call]:
-        return (call for call in self.calls.values() if call.worker is None)
 
 
 def hold(call: Call, reason: str) -> Hold:

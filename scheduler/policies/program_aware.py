@@ -27,12 +27,13 @@ soft band → retention.
   ``U ≤ pause_threshold − resume_hysteresis`` afterwards. A program parked for
   ``force_resume_after_s`` is resumed regardless (its home, else the emptiest worker).
 - **Admission of a new program**: score = prefix credit − U (credit = resident prompt
-  tokens / capacity, so both are shares of the worker), minus the soft-band penalty,
+  tokens / capacity, so both are shares of the worker), minus ``soft_band_delay_s`` in a
+  soft-band worker,
   among workers where it fits below ``pause_threshold``; sub-agents go to their parent's
   worker when it fits. While other programs wait for room, a new one queues behind them
   (as ThunderAgent does), and the resume pass orders them.
 - **Soft band**: calls admitted to a worker with ``pause_target ≤ U < pause_threshold`` go
-  ``|soft_band_penalty|`` seconds later in the engine's queue (the Dynamo port's soft demote).
+  ``soft_band_delay_s`` seconds later in the engine's queue (the Dynamo port's soft demote).
 - **Retention**: a placed or resumed program gets ``Retain`` (refreshed before its TTL
   runs out while it stays active, dormant or not); a paused one ``Demote``; a released one
   ``Release``.
@@ -40,50 +41,60 @@ soft band → retention.
 
 from __future__ import annotations
 
-import heapq
 import math
 
-from scheduler.actions import Action, Admit, Decision, Demote, Mark, Pause, Resume, Retain
-from scheduler.config import PolicyConfig
+from scheduler.actions import Action, Admit, Decision, Demote, Mark, Pause, Retain
 from scheduler.calls import CallRequest
+from scheduler.config import ProgramAwareConfig
+from scheduler.ledger import TokenWeights
 from scheduler.programs import Phase, Program
 from scheduler.policies.base import Call, Policy, hold
+from scheduler.policies.parking import DeadlineHeap, Parking
 from scheduler.resume_queue import IDLE, NEW, WAITING, ResumeQueue
 from scheduler.tool_times import ToolTimes
 
 
 class ProgramAwarePolicy(Policy):
     name = "program_aware"
+    config: ProgramAwareConfig
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: ProgramAwareConfig) -> None:
         super().__init__(config)
-        # programs PAUSED or PENDING, in the order they were parked -> when they were parked
-        self._parked: dict[str, float] = {}
+        # PAUSED and PENDING programs (parked, with their force-resume deadlines) and idle
+        # deadlines, shared in shape with thunderagent
+        self._parking = Parking(self.programs, self.calls, self.ledger, self.stats, self._admit_waiting,
+                                config.force_resume_after_s, config.idle_release_s,
+                                config.growth_reserve_tokens)
         self._soft_band: frozenset[str] = frozenset()
-        # (deadline, session) heaps, validated lazily when popped
-        self._idle_deadlines: list[tuple[float, str]] = []
-        self._retain_refresh: list[tuple[float, str]] = []
+        # session -> when its Retain lapses; (refresh at, session): when to re-send it
         self._retained_until: dict[str, float] = {}
+        self._retain_refresh: DeadlineHeap[tuple[float, str]] = DeadlineHeap(
+            self._retain_refresh_wanted, lambda: len(self.programs))
         self._retention_due: dict[str, None] = {}
         self._queue = ResumeQueue(config.resume_aging_halflife_s)
-        # (deadline, session, parked_since): when a parked program must be force-resumed
-        self._force_deadlines: list[tuple[float, str, float]] = []
         # (deadline, request_id): when a held call reaches max_wait_s
-        self._wait_deadlines: list[tuple[float, str]] = []
+        self._wait_deadlines: DeadlineHeap[tuple[float, str]] = DeadlineHeap(
+            self._wait_deadline_wanted, lambda: len(self.calls))
         # (due, session, acting_since): when an ACTING program would count as dormant
-        self._dormancy_checks: list[tuple[float, str, float]] = []
+        self._dormancy_checks: DeadlineHeap[tuple[float, str, float]] = DeadlineHeap(
+            self._dormancy_check_wanted, lambda: len(self.programs))
         self._tool_times = ToolTimes(config.tool_time_window)
         # worker -> the session it drains for: a program too large for any worker's resume
         # limit, which no other program may be placed or resumed onto meanwhile
         self._reserved: dict[str, str] = {}
 
-    def reconfigure(self, config: PolicyConfig) -> None:
+    def token_weights(self, config: ProgramAwareConfig) -> TokenWeights:  # type: ignore[override]
+        return config
+
+    def reconfigure(self, config: ProgramAwareConfig) -> None:  # type: ignore[override]
         halflife = self.config.resume_aging_halflife_s
         super().reconfigure(config)
+        self._parking.reconfigure(config.force_resume_after_s, config.idle_release_s,
+                                  config.growth_reserve_tokens)
         if config.resume_aging_halflife_s != halflife:
             # The resume order's keys depend on the half-life: rebuild it.
             self._queue = ResumeQueue(config.resume_aging_halflife_s)
-            for session in self._parked:
+            for session in self._parking.lot.sessions():
                 self._requeue(self.programs[session])
 
     # -- arrivals and completions ----------------------------------------------------
@@ -124,7 +135,7 @@ class ProgramAwarePolicy(Policy):
         if not isinstance(decision, Admit):
             self._requeue(self.programs[request.session_id])
             if self.config.max_wait_s is not None:
-                heapq.heappush(self._wait_deadlines, (now + self.config.max_wait_s, request.request_id))
+                self._wait_deadlines.push((now + self.config.max_wait_s, request.request_id))
         return decision
 
     def adaptive_settings(self) -> dict[str, float]:
@@ -140,15 +151,15 @@ class ProgramAwarePolicy(Policy):
         return None if quantile is None else max(self.config.dormant_min_s, quantile)
 
     def after_call(self, program: Program, now: float) -> list[Action]:
-        if program.session_id in self._parked:
+        if program.session_id in self._parking.lot:
             self._requeue(program)  # a re-homed program's call ended: its demand changed
         if program.in_flight:
             return []
-        heapq.heappush(self._idle_deadlines, (now + self.config.idle_release_s, program.session_id))
+        self._parking.note_idle(program, now)
         cutoff = self.tool_time_cutoff()
         if cutoff is not None and program.active and program.acting_since is not None:
-            heapq.heappush(self._dormancy_checks,
-                           (program.acting_since + cutoff, program.session_id, program.acting_since))
+            self._dormancy_checks.push((program.acting_since + cutoff, program.session_id,
+                                        program.acting_since))
         if program.marked and program.active:
             return self._pause_program(program, now)
         return []
@@ -163,16 +174,18 @@ class ProgramAwarePolicy(Policy):
             if program is not None:
                 self._requeue(program)
             if program is not None and not program.in_flight and not program.waiting:
-                deadline = program.last_activity + self.config.idle_release_s
-                heapq.heappush(self._idle_deadlines, (deadline, program.session_id))
+                self._parking.note_idle(program, program.last_activity)
         return actions
 
     def release(self, session_id, now, reason):  # type: ignore[override]
-        self._parked.pop(session_id, None)
+        actions = super().release(session_id, now, reason)
+        self._parking.forget(session_id)
         self._queue.discard(session_id)
         self._retained_until.pop(session_id, None)
         self._retention_due.pop(session_id, None)
-        return super().release(session_id, now, reason)
+        for heap in (self._retain_refresh, self._wait_deadlines, self._dormancy_checks):
+            heap.trim()
+        return actions
 
     def _unhome(self, program: Program, now: float) -> list[Action]:
         was_active = program.active
@@ -198,9 +211,7 @@ class ProgramAwarePolicy(Policy):
         """ACTING programs past the tool-time cutoff stop counting in U. Their KV keeps its
         retention: among retained KV the engine's LRU takes theirs first anyway, and
         demoting it measured worse (docs/design-notes.md "Policy v2")."""
-        heap = self._dormancy_checks
-        while heap and heap[0][0] <= now:
-            _, session, since = heapq.heappop(heap)
+        for _, session, since in self._dormancy_checks.pop_due(now):
             program = self.programs.get(session)
             if (program is None or not program.active or program.phase is not Phase.ACTING
                     or program.acting_since != since or self.ledger.is_dormant(session)):
@@ -213,17 +224,15 @@ class ProgramAwarePolicy(Policy):
         not (home first: its KV may be there). Retried at every tick while no worker
         accepts programs (a worker may come back between two ticks)."""
         actions: list[Action] = []
-        heap = self._wait_deadlines
         retry: list[tuple[float, str]] = []
         room: dict[str, float] | None = None  # kept across this tick's forced resumes
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
+        for entry in self._wait_deadlines.pop_due(now):
             call = self.calls.get(entry[1])
             if call is None or call.worker is not None:
                 continue  # admitted or gone
             program = self.programs[call.session_id]
             if room is None:
-                room = self._free_room()
+                room = self._parking.free_room()
             resumed = self._force_resume(program, now, room)
             if resumed:
                 worker = program.home_worker
@@ -235,23 +244,13 @@ class ProgramAwarePolicy(Policy):
             else:
                 retry.append(entry)  # overdue still: due again at the very next tick
         for entry in retry:
-            heapq.heappush(heap, entry)
+            self._wait_deadlines.push(entry)
         return actions
 
     def _release_idle(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        heap = self._idle_deadlines
-        while heap and heap[0][0] <= now:
-            _, session = heapq.heappop(heap)
-            program = self.programs.get(session)
-            if program is None or program.in_flight or program.waiting:
-                continue
-            if program.last_activity + self.config.idle_release_s > now:
-                # Active again since; a newer deadline is in the heap. (Same arithmetic as
-                # the deadline itself: ``now - last < idle`` can disagree by a rounding
-                # hair, and the dropped deadline would never come back.)
-                continue
-            actions += self.release(program.session_id, now, "idle")
+        for session in self._parking.idle_sessions(now):
+            actions += self.release(session, now, "idle")
         return actions
 
     # -- resume ----------------------------------------------------------------------
@@ -294,7 +293,7 @@ class ProgramAwarePolicy(Policy):
             if program is None or program.active or not program.waiting or not load.accepts_programs:
                 del self._reserved[worker]
                 continue
-            demand = self._demand_when_resumed(program)
+            demand = self._parking.demand_when_resumed(program)
             reasoning = any(self.programs[s].in_flight for s in load.programs)
             fits = self._fits(worker, demand, self.config.pause_threshold - self.config.resume_hysteresis)
             if fits or not reasoning:
@@ -330,20 +329,16 @@ class ProgramAwarePolicy(Policy):
     def _force_due(self, now: float) -> list[Action]:
         """Resume every program parked for ``force_resume_after_s``, room or not."""
         actions: list[Action] = []
-        heap = self._force_deadlines
+        lot = self._parking.lot
         retry = []
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            _, session, since = entry
-            if self._parked.get(session) != since:
-                continue  # resumed (and maybe parked again) since
-            resumed = self._force_resume(self.programs[session], now)
+        for entry in lot.due(now):
+            resumed = self._force_resume(self.programs[entry[1]], now)
             if resumed:
                 actions += resumed
             else:
                 retry.append(entry)  # nothing to run yet, or no worker: try again next tick
         for entry in retry:
-            heapq.heappush(heap, entry)
+            lot.retry(entry)
         return actions
 
     def _resume_target(self, program: Program, weighted: float, limit: float) -> str | None:
@@ -368,37 +363,15 @@ class ProgramAwarePolicy(Policy):
                       room: dict[str, float] | None = None) -> list[Action]:
         """``room``: each accepting worker's free tokens, when the caller keeps them (a tick
         that forces many resumes would otherwise re-sum every worker for each)."""
-        worker = program.home_worker
-        if worker is None or not self.ledger.worker(worker).accepts_programs:
-            worker = self._emptiest_worker(room)
+        worker = self._parking.force_target(program, room)
         if worker is None:
-            return []
-        if program.pending and not program.waiting:
             return []
         return self._resume_program(program, worker, now, forced=True)
 
     def _resume_program(self, program: Program, worker: str, now: float, forced: bool) -> list[Action]:
-        was_paused = program.paused
-        if program.pending:
-            program.place(worker, now)
-        else:
-            program.resume(worker, now)
-        self._unpark(program)
-        self.ledger.refresh(program)
         self._retention_due[program.session_id] = None
-        actions: list[Action] = []
-        if was_paused:
-            self.stats.resumes += 1
-            if forced:
-                self.stats.forced_resumes += 1
-            actions.append(Resume(program.session_id, worker, forced))
-        else:
-            if forced:
-                self.stats.forced_resumes += 1
-        actions += self._admit_waiting(program, worker, now, resumed=was_paused)
-        if not program.in_flight:
-            heapq.heappush(self._idle_deadlines, (now + self.config.idle_release_s, program.session_id))
-        return actions
+        self._queue.discard(program.session_id)
+        return self._parking.resume(program, worker, now, forced, self.config.resume_priority_boost_s)
 
     # -- pause -----------------------------------------------------------------------
 
@@ -411,8 +384,7 @@ class ProgramAwarePolicy(Policy):
                 continue
             capacity = load.capacity_tokens
             on_worker = [self.programs[s] for s in load.programs]
-            marked = sum(self.ledger.contribution(p.session_id) for p in on_worker if p.marked)
-            projected = self.ledger.utilization(load.name) - marked / capacity
+            projected = self.projected_utilization(load.name)
             if projected <= target:
                 continue
             acting = sorted(
@@ -423,7 +395,7 @@ class ProgramAwarePolicy(Policy):
                 if projected <= target:
                     break
                 actions += self._pause_program(program, now)
-                projected = self.ledger.utilization(load.name) - marked / capacity
+                projected = self.projected_utilization(load.name)
             if projected <= target:
                 continue
             reasoning = sorted(
@@ -440,12 +412,8 @@ class ProgramAwarePolicy(Policy):
         return actions
 
     def _pause_program(self, program: Program, now: float) -> list[Action]:
-        worker = program.home_worker
-        assert worker is not None
-        program.pause(now)
-        self.ledger.refresh(program)
-        self._park(program, now)
-        self.stats.pauses += 1
+        worker = self._parking.pause(program, now)
+        self._requeue(program)
         self._retained_until.pop(program.session_id, None)
         actions: list[Action] = [Pause(program.session_id, worker)]
         if self.config.retention.enabled:
@@ -453,7 +421,8 @@ class ProgramAwarePolicy(Policy):
         return actions
 
     def projected_utilization(self, worker: str) -> float:
-        """``U_w`` with marked programs' tokens counted as already gone."""
+        """``U_w`` with marked programs' tokens counted as already gone (what a pause pass
+        brings down to ``pause_target``)."""
         load = self.ledger.worker(worker)
         if not load.capacity_tokens:
             return math.inf
@@ -482,8 +451,7 @@ class ProgramAwarePolicy(Policy):
             return []
         actions: list[Action] = []
         heap = self._retain_refresh
-        while heap and heap[0][0] <= now:
-            _, session = heapq.heappop(heap)
+        for _, session in heap.pop_due(now):
             if session in self._retained_until and self._retained_until[session] - now <= (
                 retention.ttl_s * retention.refresh_fraction
             ):
@@ -498,16 +466,14 @@ class ProgramAwarePolicy(Policy):
             )
             self._retained_until[session] = now + retention.ttl_s
             refresh_at = now + retention.ttl_s * (1.0 - retention.refresh_fraction)
-            heapq.heappush(heap, (refresh_at, session))
+            heap.push((refresh_at, session))
         self._retention_due.clear()
         return actions
 
     # -- placement helpers -----------------------------------------------------------
 
     def _admit(self, call: Call, worker: str) -> Admit:
-        # The penalty is documented as a magnitude ("|soft_band_penalty| seconds later"): a
-        # positive value in the YAML must not move soft-band calls ahead of the queue.
-        delay = abs(self.config.soft_band_penalty) if worker in self._soft_band else 0.0
+        delay = self.config.soft_band_delay_s if worker in self._soft_band else 0.0
         return Admit(call.request.request_id, call.session_id, worker, call.arrived_at + delay)
 
     def _route_new(self, program: Program, call: Call) -> str | None:
@@ -528,7 +494,7 @@ class ProgramAwarePolicy(Policy):
                 continue
             score = self.prefix_credit(load.name, call) - self.ledger.utilization(load.name)
             if load.name in self._soft_band:
-                score -= abs(self.config.soft_band_penalty)
+                score -= self.config.soft_band_delay_s
             if score > best_score:
                 best, best_score = load.name, score
         return best
@@ -552,58 +518,44 @@ class ProgramAwarePolicy(Policy):
                 best = max(best, limit * load.capacity_tokens - self.ledger.load_tokens(load.name))
         return best
 
-    def _free_room(self) -> dict[str, float]:
-        """Free tokens of each worker that takes programs, in the ledger's order."""
-        return {load.name: load.capacity_tokens - self.ledger.load_tokens(load.name)
-                for load in self.ledger.workers() if load.accepts_programs}
-
-    def _emptiest_worker(self, room: dict[str, float] | None = None) -> str | None:
-        best, best_free = None, -math.inf
-        for name, free in (room if room is not None else self._free_room()).items():
-            if free > best_free:
-                best, best_free = name, free
-        return best
-
-    def _demand_when_resumed(self, program: Program) -> int:
-        # demand_tokens() is the context, or more while calls are still in flight: a program
-        # re-homed because its worker failed mid-call brings those calls' demand along.
-        demand = program.demand_tokens()
-        prompts = [self.calls[r].request.prompt_tokens for r in program.waiting]
-        if prompts:
-            return max(demand, max(prompts) + self.config.growth_reserve_tokens)
-        return demand
-
     def _someone_waits(self, program: Program) -> bool:
         own = 1 if program.session_id in self._queue and program.waiting else 0
         return self._queue.with_calls - own > 0
 
-    def _parked_since(self, program: Program) -> float:
-        """When the program last stopped running: force-resume counts from here, not from
-        its creation (a long-lived program re-homed after a failure is not overdue)."""
-        return self._parked.get(program.session_id, program.created_at)
-
     def _park(self, program: Program, now: float) -> None:
-        if program.session_id not in self._parked:
-            self._parked[program.session_id] = now
-            deadline = now + self.config.force_resume_after_s
-            heapq.heappush(self._force_deadlines, (deadline, program.session_id, now))
+        self._parking.lot.park(program.session_id, now)
         self._requeue(program)
 
     def _unpark(self, program: Program) -> None:
-        self._parked.pop(program.session_id, None)
+        self._parking.lot.unpark(program.session_id)
         self._queue.discard(program.session_id)
 
     def _requeue(self, program: Program) -> None:
         """Put a parked program at its place in the resume order (or take it out)."""
         session = program.session_id
-        since = self._parked.get(session)
+        since = self._parking.lot.since(session)
         if since is None or (program.pending and not program.waiting):
             self._queue.discard(session)  # not parked, or nothing to run yet
             return
-        demand = self._demand_when_resumed(program)
+        demand = self._parking.demand_when_resumed(program)
         if program.waiting:
             group = WAITING if program.paused else NEW
         else:
             group = IDLE
             demand = int(demand * self.config.acting_token_weight)
         self._queue.put(session, group, demand, since)
+
+    # -- which lazily validated deadlines still matter (see DeadlineHeap) --------------------
+
+    def _wait_deadline_wanted(self, entry: tuple[float, str]) -> bool:
+        call = self.calls.get(entry[1])
+        return call is not None and call.worker is None
+
+    def _dormancy_check_wanted(self, entry: tuple[float, str, float]) -> bool:
+        program = self.programs.get(entry[1])
+        return program is not None and program.acting_since == entry[2]
+
+    def _retain_refresh_wanted(self, entry: tuple[float, str]) -> bool:
+        # the latest refresh of a retained session is due at or after its Retain was sent
+        until = self._retained_until.get(entry[1])
+        return until is not None and entry[0] >= until - self.config.retention.ttl_s

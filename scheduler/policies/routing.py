@@ -47,13 +47,6 @@ class RouterPolicy(Policy):
             actions += self._admit_waiting(program, worker, now, resumed=False)
         return actions
 
-    def in_flight_by_worker(self) -> dict[str, int]:
-        counts = {name: 0 for name in self.ledger.worker_names()}
-        for call in self.calls.values():
-            if call.worker is not None:
-                counts[call.worker] += 1
-        return counts
-
 
 class RoundRobinPolicy(RouterPolicy):
     """A plain load balancer: each call goes to the next healthy worker in turn.

@@ -19,72 +19,59 @@ Source: ThunderAgent (arXiv 2602.13692), repository ThunderAgent-org/ThunderAgen
   otherwise it goes to the backend with the fewest active tokens among those with room
   (remaining ≥ tokens + 100);
 - forced resume after 1800 s, to the original backend.
+
+Built, like program_aware, on the shared parts of ``scheduler/policies/parking.py`` (the
+parking lot, idle deadlines, the pause and resume moves) and none of program_aware's rules:
+no resume queue, no soft band, no retention, no bounded waiting, no dormancy. Its config
+section (:class:`ThunderAgentConfig`) carries only what the published code lets one set.
 """
 
 from __future__ import annotations
 
 import math
 
-from scheduler.actions import Action, Decision, Mark
-from scheduler.config import PolicyConfig
+from scheduler.actions import Action, Admit, Decision, Mark, Pause
+from scheduler.config import ThunderAgentConfig
+from scheduler.ledger import FixedTokenWeights, TokenWeights
 from scheduler.programs import Phase, Program
-from scheduler.policies.base import Call, hold
-from scheduler.policies.program_aware import ProgramAwarePolicy
+from scheduler.policies.base import Call, Policy, admit, hold
+from scheduler.policies.parking import Parking
 
 BUFFER_PER_PROGRAM = 100
 
 
-class ThunderAgentPolicy(ProgramAwarePolicy):
+class ThunderAgentPolicy(Policy):
     name = "thunderagent"
+    config: ThunderAgentConfig
     # Upstream schedules only in its periodic loop (``_scheduler_loop``), not on completions.
     ticks_after_completion = False
 
-    def __init__(self, config: PolicyConfig) -> None:
-        faithful = config.model_copy(
-            update={
-                "pause_threshold": 1.0,
-                "pause_target": 1.0,
-                "resume_hysteresis": 0.0,
-                "buffer_per_program": BUFFER_PER_PROGRAM,
-                "soft_band_penalty": 0.0,
-                "resume_priority_boost_s": 0.0,
-                "tick_interval_s": config.baselines.thunderagent_tick_s,
-                "retention": config.retention.model_copy(update={"enabled": False}),
-                # Sluice v2's additions, which upstream does not have
-                "max_wait_s": None,
-                "dormant_quantile": None,
-            }
-        )
-        super().__init__(faithful)
+    def __init__(self, config: ThunderAgentConfig) -> None:
+        super().__init__(config)
+        # Forced resumes are found by scanning the lot each tick, as upstream does: no
+        # deadline heap to keep.
+        self._parking = Parking(self.programs, self.calls, self.ledger, self.stats, self._admit_waiting,
+                                None, config.idle_release_s, config.growth_reserve_tokens)
 
-    def reconfigure(self, config: PolicyConfig) -> None:
-        # The thresholds are the published ones; only the baseline knobs may change, and
-        # the tick follows ``baselines.thunderagent_tick_s``.
-        if config.name != self.config.name:
-            raise ValueError(f"cannot switch policy from {self.config.name} to {config.name} live")
-        self.config = self.config.model_copy(
-            update={"baselines": config.baselines,
-                    "tick_interval_s": config.baselines.thunderagent_tick_s}
-        )
-        self.ledger.reconfigure(self.config)
+    def token_weights(self, config: ThunderAgentConfig) -> TokenWeights:  # type: ignore[override]
+        # upstream: acting programs count at acting_token_weight, 100 tokens per program
+        return FixedTokenWeights(acting_token_weight=config.acting_token_weight,
+                                 buffer_per_program=BUFFER_PER_PROGRAM)
 
-    def tick(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        actions += self._release_idle(now)
-        actions += self._resume(now)
-        actions += self._pause(now)
-        return actions
+    def reconfigure(self, config: ThunderAgentConfig) -> None:  # type: ignore[override]
+        super().reconfigure(config)
+        self._parking.reconfigure(None, config.idle_release_s, config.growth_reserve_tokens)
 
-    def _remaining(self, worker: str) -> float:
-        load = self.ledger.worker(worker)
-        return load.capacity_tokens - self.ledger.load_tokens(worker)
-
-    # -- new programs ----------------------------------------------------------------
+    # -- arrivals and completions ----------------------------------------------------
 
     def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
-        known = self._arrival_of_known(program, call, now)
-        if known is not None:
-            return known
+        if program.active and program.home_worker is not None:
+            if self.ledger.worker(program.home_worker).healthy:
+                return admit(call, program.home_worker)
+            self._unhome(program, now)
+        if program.paused:
+            return hold(call, "program paused")
+        self._parking.lot.park(program.session_id, now)
         if program.waiting or self._anyone_queued(program):
             return hold(call, "queued")
         demand = call.request.prompt_tokens
@@ -98,13 +85,58 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
                 best, best_tokens = load.name, load.weighted_demand
         if best is None:
             return hold(call, "no backend has room")
-        self._unpark(program)
-        return self._admit(call, best)
+        self._parking.lot.unpark(program.session_id)
+        return admit(call, best)
+
+    def after_call(self, program: Program, now: float) -> list[Action]:
+        if program.in_flight:
+            return []
+        self._parking.note_idle(program, now)
+        if program.marked and program.active:
+            return self._pause_program(program, now)
+        return []
+
+    def on_abort(self, request_id: str, now: float) -> list[Action]:
+        call = self.calls.get(request_id)
+        actions = super().on_abort(request_id, now)
+        if call is not None and call.worker is None:
+            # A held call went away; if that left its program with nothing to run, it is
+            # idle from its last activity on (else it would never be released).
+            program = self.programs.get(call.session_id)
+            if program is not None and not program.in_flight and not program.waiting:
+                self._parking.note_idle(program, program.last_activity)
+        return actions
+
+    def release(self, session_id, now, reason):  # type: ignore[override]
+        actions = super().release(session_id, now, reason)
+        self._parking.forget(session_id)
+        return actions
+
+    def _unhome(self, program: Program, now: float) -> list[Action]:
+        was_active = program.active
+        actions = super()._unhome(program, now)
+        if was_active:
+            self._parking.lot.park(program.session_id, now)
+        return actions
+
+    # -- the tick --------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for session in self._parking.idle_sessions(now):
+            actions += self.release(session, now, "idle")
+        actions += self._resume(now)
+        actions += self._pause(now)
+        return actions
+
+    def _remaining(self, worker: str) -> float:
+        load = self.ledger.worker(worker)
+        return load.capacity_tokens - self.ledger.load_tokens(worker)
 
     def _anyone_queued(self, program: Program) -> bool:
         """Upstream's ``global_waiting_queue`` holds every paused program, with or without a
         request waiting, and every held new one; a new program queues if it is not empty."""
-        for session in self._parked:
+        for session in self._parking.lot.sessions():
             other = self.programs[session]
             if session != program.session_id and (other.paused or other.waiting):
                 return True
@@ -137,22 +169,30 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
                 actions.append(Mark(program.session_id, load.name))
         return actions
 
+    def _pause_program(self, program: Program, now: float) -> list[Action]:
+        worker = self._parking.pause(program, now)
+        return [Pause(program.session_id, worker)]  # no retention directives upstream
+
     # -- resume ----------------------------------------------------------------------
 
     def _resume(self, now: float) -> list[Action]:
-        if not self._parked:
+        lot = self._parking.lot
+        if not len(lot):
             return []
         actions: list[Action] = []
         candidates = []
-        for session in list(self._parked):
+        for session in lot.sessions():
             program = self.programs[session]
-            if now - self._parked_since(program) >= self.config.force_resume_after_s:
-                actions += self._force_resume(program, now)
+            since = lot.since(session)
+            if since is not None and now - since >= self.config.force_resume_after_s:
+                worker = self._parking.force_target(program)
+                if worker is not None:
+                    actions += self._resume_program(program, worker, now, forced=True)
                 continue
             if program.pending and not program.waiting:
                 continue
             group = 0 if (program.paused and program.waiting) else (1 if program.pending else 2)
-            candidates.append((group, self._demand_when_resumed(program), session))
+            candidates.append((group, self._parking.demand_when_resumed(program), session))
         remaining = {
             load.name: self._remaining(load.name)
             for load in self.ledger.workers()
@@ -181,3 +221,6 @@ class ThunderAgentPolicy(ProgramAwarePolicy):
             if remaining[worker] <= BUFFER_PER_PROGRAM:
                 del remaining[worker]
         return actions
+
+    def _resume_program(self, program: Program, worker: str, now: float, forced: bool) -> list[Action]:
+        return self._parking.resume(program, worker, now, forced, boost_s=0.0)

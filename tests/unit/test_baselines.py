@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import POLICY_NAMES, PolicyConfig
+from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, parse_policy_config
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import BlockStored, EventBatch
 from scheduler.policies import POLICIES, make_policy
@@ -319,18 +319,20 @@ def test_sticky_least_loaded_moves_sessions_off_an_unhealthy_worker() -> None:
 def test_thunderagent_uses_the_published_constants() -> None:
     policy = make("thunderagent")
     assert policy.tick_interval_s == 5.0
-    cfg = policy.config
-    assert (cfg.pause_threshold, cfg.pause_target, cfg.resume_hysteresis) == (1.0, 1.0, 0.0)
-    assert cfg.buffer_per_program == 100 and not cfg.retention.enabled
+    assert policy.ledger.weights.buffer_per_program == 100
     assert make("thunderagent", baselines={"thunderagent_tick_s": 2.5}).tick_interval_s == 2.5
+    # the published thresholds are not settable: program_aware's keys are refused by name
+    for key, value in (("pause_threshold", 0.5), ("retention", {"enabled": True}), ("max_wait_s", 5.0)):
+        with pytest.raises(ConfigError, match=f"policy: {key}: a key of program_aware; thunderagent"):
+            parse_policy_config({"name": "thunderagent", key: value})
 
 
-def test_thunderagent_reconfigure_keeps_published_thresholds_and_takes_tick() -> None:
+def test_thunderagent_reconfigure_takes_tick_and_refuses_another_kind() -> None:
     policy = make("thunderagent")
-    policy.reconfigure(PolicyConfig(name="thunderagent", pause_threshold=0.5, pause_target=0.4,
-                                    baselines={"thunderagent_tick_s": 10.0}))
-    assert policy.config.pause_threshold == 1.0
+    policy.reconfigure(PolicyConfig(name="thunderagent", baselines={"thunderagent_tick_s": 10.0}))
     assert policy.tick_interval_s == 10.0
+    with pytest.raises(ValueError, match="cannot switch policy"):
+        policy.reconfigure(PolicyConfig(name="program_aware"))
 
 
 def test_thunderagent_pauses_only_over_capacity() -> None:

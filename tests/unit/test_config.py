@@ -9,6 +9,9 @@ import pytest
 
 from scheduler.config import (
     POLICY_NAMES,
+    PolicyName,
+    RouterConfig,
+    ThunderAgentConfig,
     BaselineConfig,
     ConfigError,
     PolicyConfig,
@@ -39,6 +42,14 @@ V2_DEPARTURES = {
     "pause_target": 0.98,
     "resume_hysteresis": 0.03,
 }
+# DESIGN.md's signed soft_band_penalty is now soft_band_delay_s, its magnitude.
+RENAMED = {"soft_band_penalty": ("soft_band_delay_s", abs)}
+
+
+def default_of(config, key: str):
+    """``config``'s value of a DESIGN.md key, through its rename if it has one."""
+    name, convert = RENAMED.get(key, (key, None))
+    return getattr(config, name), convert
 
 
 # -- defaults ------------------------------------------------------------------------------
@@ -46,8 +57,9 @@ V2_DEPARTURES = {
 
 @pytest.mark.parametrize("key, value", sorted({**DESIGN_DEFAULTS, **V2_DEPARTURES}.items()))
 def test_program_aware_defaults_equal_design_section_3_except_the_v2_departures(key, value):
-    assert getattr(ProgramAwareConfig(), key) == value
-    assert getattr(PolicyConfig(), key) == value
+    for config in (ProgramAwareConfig(), PolicyConfig()):
+        actual, convert = default_of(config, key)
+        assert actual == (convert(value) if convert else value)
 
 
 def _design_md() -> Path | None:
@@ -70,7 +82,8 @@ def test_design_table_and_the_defaults_list_the_same_keys_and_values():
     defaults = ProgramAwareConfig()
     for key, value in table.items():
         expected = V2_DEPARTURES.get(key, value)
-        assert float(getattr(defaults, key)) == expected, key
+        actual, convert = default_of(defaults, key)
+        assert float(actual) == (convert(expected) if convert else expected), key
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():
@@ -86,7 +99,7 @@ def test_yaml_values_override_defaults_and_other_sections_are_ignored():
     workers:
       - url: http://w0:8000
     policy:
-      name: thunderagent
+      name: program_aware
       pause_threshold: 0.9
       pause_target: 0.7
       buffer_per_program: 64
@@ -96,7 +109,7 @@ def test_yaml_values_override_defaults_and_other_sections_are_ignored():
         thunderagent_tick_s: 2.5
     """
     cfg = parse_policy_yaml(text, "sluice.yaml")
-    assert cfg.name == "thunderagent"
+    assert cfg.name == "program_aware"
     assert (cfg.pause_threshold, cfg.pause_target, cfg.buffer_per_program) == (0.9, 0.7, 64)
     assert cfg.retention.ttl_s == 120.0
     assert cfg.retention.enabled is True  # untouched nested defaults stay
@@ -258,3 +271,58 @@ def test_a_lone_pause_threshold_brings_pause_target_just_below_it():
     assert parse_policy_yaml("policy: {pause_threshold: 0.95}").pause_target == pytest.approx(0.93)
     assert parse_policy_yaml("policy: {pause_threshold: 0.01, resume_hysteresis: 0}").pause_target == 0.0
     assert parse_policy_yaml("policy: {pause_threshold: 0.9, pause_target: 0.5}").pause_target == 0.5
+
+
+# -- one section per policy ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "program_aware"])
+@pytest.mark.parametrize("key", ["pause_threshold", "soft_band_delay_s", "soft_band_penalty",
+                                 "retention", "max_wait_s", "dormant_quantile"])
+def test_a_program_aware_key_on_another_policy_is_an_error_naming_it(name, key):
+    value = {"retention": {"enabled": False}}.get(key, 0.5)
+    with pytest.raises(ConfigError) as err:
+        parse_policy_yaml(f"policy: {{name: {name}, {key}: {value}}}", "sluice.yaml")
+    assert f"sluice.yaml: policy: {key}: a key of program_aware; {name} does not take it" in str(err.value)
+
+
+def test_each_policy_gets_its_own_section_type():
+    sections = {name: type(parse_policy_config({"name": name})) for name in POLICY_NAMES}
+    assert sections["program_aware"] is ProgramAwareConfig
+    assert sections["thunderagent"] is ThunderAgentConfig
+    assert {sections[n] for n in POLICY_NAMES} == {ProgramAwareConfig, ThunderAgentConfig, RouterConfig}
+    assert not hasattr(parse_policy_config({"name": "least_loaded"}), "pause_threshold")
+    assert PolicyName.__args__ == POLICY_NAMES  # derived, not a second list
+
+
+def test_for_policy_carries_the_keys_both_sections_take():
+    config = parse_policy_config({"pause_threshold": 0.9, "idle_release_s": 30.0,
+                                  "baselines": {"sticky_lru_size": 7}})
+    router = config.for_policy("least_loaded")
+    assert isinstance(router, RouterConfig) and router.name == "least_loaded"
+    assert router.idle_release_s == 30.0 and router.baselines.sticky_lru_size == 7
+    assert config.for_policy("program_aware") is config
+
+
+def test_soft_band_penalty_is_read_as_its_magnitude_with_a_deprecation_warning():
+    with pytest.warns(FutureWarning, match="soft_band_penalty is deprecated"):
+        cfg = parse_policy_yaml("policy: {soft_band_penalty: -3.5}")
+    assert cfg.soft_band_delay_s == 3.5
+    assert any("soft_band_delay_s" in note for note in cfg.deprecation_notes)
+    assert parse_policy_yaml("policy: {soft_band_delay_s: 1.5}").deprecation_notes == ()
+    with pytest.raises(ConfigError, match="soft_band_delay_s"):
+        parse_policy_yaml("policy: {soft_band_delay_s: -1}")
+    with pytest.raises(ConfigError, match="keep only"):
+        parse_policy_yaml("policy: {soft_band_penalty: 1, soft_band_delay_s: 1}")
+
+
+def test_fractions_are_bounded_at_twice_the_pool():
+    assert parse_policy_yaml("policy: {pause_threshold: 2.0, pause_target: 1.5}").pause_threshold == 2.0
+    with pytest.raises(ConfigError, match="policy.pause_threshold: Input should be less than or equal to 2"):
+        parse_policy_yaml("policy: {pause_threshold: 2.5, pause_target: 1.5}")
+
+
+@pytest.mark.parametrize("section", [RetentionConfig, BaselineConfig, ProgramAwareConfig,
+                                     ThunderAgentConfig, RouterConfig])
+def test_every_model_is_strict(section):
+    assert section.model_config["extra"] == "forbid" and section.model_config["strict"] is True

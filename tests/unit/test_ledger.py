@@ -259,7 +259,7 @@ def test_pausing_a_program_removes_it_and_its_index_sharing():
     ledger.refresh(b)
     index.apply_events("w0", [stored([1, 2], "a"), stored([1, 2], "b")])
     assert ledger.load_tokens("w0") == 300 - 32 + 2 * BUF
-    a.pause(5.0)
+    a.pause()
     ledger.refresh(a)
     assert "a" not in index.worker("w0").counted
     assert ledger.shared_tokens("w0") == 0
@@ -275,7 +275,7 @@ def test_resume_on_another_worker_moves_the_contribution_and_index_counting():
     ledger, index = make(weight=1.0)
     a = acting("a", "w0", 1000, 0)
     ledger.refresh(a)
-    a.pause(1.0)
+    a.pause()
     ledger.refresh(a)
     assert ledger.load_tokens("w0") == 0
     a.resume("w1", 2.0)
@@ -448,7 +448,7 @@ def test_incremental_load_equals_recomputation_from_program_states(steps, weight
             rid = next(iter(p.in_flight))
             p.end_call(rid, Usage(prompt, 10) if kind == "end" else None, n)
         elif kind == "pause" and p.active and p.phase is Phase.ACTING:
-            p.pause(n)
+            p.pause()
         elif kind == "resume" and p.paused:
             p.resume(w, n)
         elif kind == "mark" and p.active and p.phase is Phase.REASONING and not p.marked:

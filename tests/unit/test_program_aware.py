@@ -173,7 +173,7 @@ def test_marked_program_pauses_when_its_last_call_completes() -> None:
     program = d.p.programs["m"]
     assert program.lifecycle is Lifecycle.PAUSED and not program.marked
     assert program.context_tokens == 260  # the response was used, not thrown away
-    assert program.paused_since == 3.0
+    assert d.p._parking.lot.since("m") == 3.0  # the force-resume clock counts from the pause
 
 
 def test_marked_program_whose_call_is_aborted_pauses_too() -> None:
@@ -344,15 +344,24 @@ def test_new_program_admitted_on_arrival_when_nobody_waits() -> None:
 # -- soft band -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("penalty", [-2.0, 2.0, -0.5])
-def test_soft_band_admissions_go_later_by_the_penalty(penalty) -> None:
-    d = Driver(make(soft_band_penalty=penalty))
+@pytest.mark.parametrize(("key", "value", "delay"), [
+    ("soft_band_delay_s", 2.0, 2.0), ("soft_band_delay_s", 0.5, 0.5),
+    # the deprecated signed key is read as its magnitude
+    ("soft_band_penalty", -2.0, 2.0), ("soft_band_penalty", -0.5, 0.5),
+])
+def test_soft_band_admissions_go_later_by_the_delay(key, value, delay) -> None:
+    if key == "soft_band_penalty":
+        with pytest.warns(FutureWarning, match="soft_band_penalty is deprecated"):
+            policy = make(**{key: value})
+    else:
+        policy = make(**{key: value})
+    d = Driver(policy)
     d.acting("a", 850)
     d.p.tick(1.0)
     assert d.p.in_soft_band("w0")
     decision = d.arrive("a", 10, now=50.0)
     assert isinstance(decision, Admit)
-    assert decision.priority == 50.0 + abs(penalty)
+    assert decision.priority == 50.0 + delay
 
 
 @pytest.mark.parametrize(("tokens", "in_band"), [(790, False), (800, True), (949, True), (960, False)])
@@ -365,8 +374,8 @@ def test_soft_band_is_target_inclusive_to_threshold_exclusive(tokens, in_band) -
     assert decision.priority == (52.0 if in_band else 50.0)
 
 
-def _soft_band_routing(penalty: float) -> str:
-    d = Driver(make({"w0": CAP, "w1": CAP}, soft_band_penalty=penalty))
+def _soft_band_routing(delay: float) -> str:
+    d = Driver(make({"w0": CAP, "w1": CAP}, soft_band_delay_s=delay))
     d.acting("x", 820)
     d.acting("y", 790)
     assert d.p.programs["x"].home_worker == "w0" and d.p.programs["y"].home_worker == "w1"
@@ -384,8 +393,8 @@ def _soft_band_routing(penalty: float) -> str:
 
 
 def test_new_program_routing_avoids_soft_band_worker() -> None:
-    assert _soft_band_routing(0.0) == "w0"  # prefix credit wins without the penalty
-    assert _soft_band_routing(-2.0) == "w1"
+    assert _soft_band_routing(0.0) == "w0"  # prefix credit wins without the delay
+    assert _soft_band_routing(2.0) == "w1"
 
 
 def test_new_program_routing_weighs_prefix_credit_in_tokens_against_load() -> None:
@@ -653,7 +662,7 @@ def test_illegal_transitions_raise() -> None:
     d.reasoning("r", 100)
     program = d.p.programs["r"]
     with pytest.raises(IllegalTransition):
-        program.pause(1.0)  # a REASONING program cannot be paused: nothing is aborted
+        program.pause()  # a REASONING program cannot be paused: nothing is aborted
     program.mark()
     with pytest.raises(IllegalTransition):
         program.mark()

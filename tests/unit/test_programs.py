@@ -40,7 +40,7 @@ def acting(now: float = 3.0) -> Program:
 
 def paused(now: float = 4.0) -> Program:
     p = acting()
-    p.pause(now)
+    p.pause()
     return p
 
 
@@ -142,16 +142,15 @@ def test_mark_an_active_reasoning_program_then_pause_it_at_the_tool_boundary():
     p.end_call("r1", Usage(1000, 10), 2.5)
     p.end_call("r2", Usage(1000, 20), 3.0)
     assert p.phase is Phase.ACTING and p.marked
-    p.pause(3.0)
+    p.pause()
     assert p.lifecycle is Lifecycle.PAUSED and p.paused
     assert p.marked is False
-    assert p.paused_since == 3.0
 
 
 def test_pause_an_active_acting_program():
     p = acting()
-    p.pause(10.0)
-    assert p.paused and p.paused_since == 10.0
+    p.pause()
+    assert p.paused
     assert p.home_worker == "w0"  # its KV may still be there
     assert p.context_tokens == 1200
 
@@ -161,7 +160,6 @@ def test_resume_a_paused_program_onto_a_worker_makes_it_home():
     p.resume("w2", 20.0)
     assert p.active
     assert p.home_worker == "w2"
-    assert p.paused_since is None
     assert p.last_activity == 20.0
     p.begin_call(call("r2"), RESERVE, 21.0)
     assert p.phase is Phase.REASONING
@@ -203,7 +201,7 @@ def test_drop_waiting_removes_only_that_call():
 def test_pause_resume_cycles_can_repeat():
     p = acting()
     for i in range(3):
-        p.pause(10.0 + i)
+        p.pause()
         p.resume(f"w{i}", 10.5 + i)
         p.begin_call(call(f"x{i}"), RESERVE, 10.6 + i)
         p.end_call(f"x{i}", Usage(100 + i, 1), 10.7 + i)
@@ -243,14 +241,14 @@ def test_begin_call_with_an_id_already_in_flight_raises():
 def test_pause_while_reasoning_raises_so_nothing_in_flight_is_aborted():
     p = reasoning()
     with pytest.raises(IllegalTransition):
-        p.pause(3.0)
+        p.pause()
     assert p.active and p.in_flight
 
 
 @pytest.mark.parametrize("make", [new, paused], ids=["PENDING", "PAUSED"])
 def test_pause_while_not_active_raises(make):
     with pytest.raises(IllegalTransition):
-        make().pause(9.0)
+        make().pause()
 
 
 def test_mark_while_acting_raises():
@@ -335,7 +333,7 @@ def test_drop_waiting_of_an_unknown_call_raises():
 
 def test_illegal_transition_is_a_runtime_error_naming_the_session():
     with pytest.raises(RuntimeError, match="sess-1"):
-        new().pause(1.0)
+        new().pause()
 
 
 # -- demand --------------------------------------------------------------------------------
@@ -365,11 +363,34 @@ def test_demand_uses_the_reserve_passed_at_dispatch():
 
 def test_waiting_demand_covers_the_biggest_held_prompt_plus_reserve():
     p = paused()  # context 1200
-    assert p.waiting_demand_tokens(RESERVE, {}) == 1200
+    assert p.waiting_demand_tokens(RESERVE, {}.__getitem__) == 1200
     p.hold("r2", 5.0)
     p.hold("r3", 5.0)
-    assert p.waiting_demand_tokens(RESERVE, {"r2": 2000, "r3": 500}) == 2000 + RESERVE
-    assert p.waiting_demand_tokens(RESERVE, {"r2": 10, "r3": 20}) == 1200
+    assert p.waiting_demand_tokens(RESERVE, {"r2": 2000, "r3": 500}.__getitem__) == 2000 + RESERVE
+    assert p.waiting_demand_tokens(RESERVE, {"r2": 10, "r3": 20}.__getitem__) == 1200
+
+
+def test_waiting_demand_keeps_the_demand_of_calls_still_in_flight():
+    # re-homed mid-call (its worker failed): the calls still running bring their demand
+    p = active()
+    p.begin_call(call("r1", prompt=3000), RESERVE, 1.0)
+    p.unhome()
+    assert p.pending and p.home_worker is None
+    p.hold("r2", 2.0)
+    assert p.waiting_demand_tokens(RESERVE, {"r2": 100}.__getitem__) == 3000 + RESERVE
+
+
+def test_move_home_and_unhome_are_checked_transitions():
+    p = active()
+    p.move_home("w9")
+    assert p.home_worker == "w9"
+    p.unhome()
+    assert p.pending and p.home_worker is None
+    with pytest.raises(IllegalTransition):
+        p.move_home("w1")  # a PENDING program is placed, not moved
+    q = paused()
+    q.unhome()
+    assert q.paused and q.home_worker is None
 
 
 # -- what a shell hands the core (calls.py) --------------------------------------------------
