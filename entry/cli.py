@@ -35,6 +35,15 @@ def check_config(
         ..., help="The YAML file to check (e.g. configs/example.yaml).", metavar="PATH"
     ),
 ) -> None:
+    import warnings
+
+    # Deprecations are printed once, from the config itself, not as Python warnings too.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _check_config(path)
+
+
+def _check_config(path: str) -> None:
     from scheduler.config import ConfigError, load_yaml_text, parse_policy_config
 
     from controller.serve_config import load_serve_config, read_config_file
@@ -50,6 +59,7 @@ def check_config(
                 policy = parse_policy_config((data or {}).get("policy"), "policy")
             except ConfigError as err:
                 raise ConfigError(f"{path}: {err}") from None
+            _echo_deprecations(policy)
             typer.echo(f"ok: policy {policy.name} (policy section only: `sluice serve` "
                        f"also needs workers:)")
             return
@@ -58,10 +68,16 @@ def check_config(
         settings = load_serve_config(path)
     except ConfigError as err:
         raise usage_error(str(err)) from None
+    _echo_deprecations(settings.policy)
     names = ", ".join(worker.name for worker in settings.workers)
     typer.echo(f"ok: policy {settings.policy.name}; serve config with "
                f"{len(settings.workers)} worker(s) ({names}), listening on "
                f"{settings.listen.host}:{settings.listen.port}")
+
+
+def _echo_deprecations(policy: object) -> None:
+    for note in getattr(policy, "deprecation_notes", ()):
+        typer.echo(f"warning: {note}", err=True)
 
 
 def _summary_line(cls: type) -> str:

@@ -572,3 +572,12 @@ def _sim_json(runner, out, *args) -> str:
     result = invoke(runner, *args, "--json", out)
     assert result.exit_code == 0, result.output
     return out.read_text()
+
+
+def test_check_config_names_a_deprecated_key_once_and_still_accepts_the_file(runner, tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text("policy:\n  soft_band_penalty: -2.0\n")
+    result = invoke(runner, "check-config", config)
+    assert result.exit_code == 0 and result.stdout.startswith("ok: policy program_aware")
+    assert result.stderr.count("soft_band_penalty is deprecated") == 1
+    assert "soft_band_delay_s: 2.0" in result.stderr
