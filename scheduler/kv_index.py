@@ -442,6 +442,10 @@ class KVIndex:
         kv.clear()
         kv.events_seen = 0
 
+    def drop_worker(self, worker: str) -> None:
+        """Forget ``worker`` altogether (it left the fleet)."""
+        self._workers.pop(worker, None)
+
     def has_events(self, worker: str) -> bool:
         kv = self._workers.get(worker)
         return kv is not None and kv.events_seen > 0

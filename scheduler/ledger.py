@@ -102,6 +102,14 @@ class Ledger:
         load = self._workers[name] = WorkerLoad(name, capacity_tokens)
         return load
 
+    def remove_worker(self, name: str) -> None:
+        """Forget a worker that no program is counted on any more (drain it first)."""
+        load = self.worker(name)
+        if load.programs:
+            raise ValueError(f"worker {name!r} still counts {len(load.programs)} program(s); "
+                             "drain it before removing it")
+        del self._workers[name]
+
     def set_capacity(self, name: str, capacity_tokens: int) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"worker {name!r}: capacity must be > 0 tokens, got {capacity_tokens}")

@@ -196,6 +196,9 @@ class AutellixPolicy(RouterPolicy):
             entry.wait_s += max(0.0, (now - call.arrived_at) - service)
         return call, program
 
+    def forget_worker(self, name: str) -> None:
+        self._in_flight.pop(name, None)
+
     def release(self, session_id: SessionId, now: float, reason: str) -> list[Action]:
         self.process_table.pop(session_id, None)
         return super().release(session_id, now, reason)

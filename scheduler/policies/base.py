@@ -96,6 +96,25 @@ class Policy(ABC):
     def set_capacity(self, name: str, capacity_tokens: int) -> None:
         self.ledger.set_capacity(name, capacity_tokens)
 
+    def calls_on(self, name: str) -> int:
+        """Calls in flight on worker ``name``."""
+        return sum(1 for call in self.calls.values() if call.worker == name)
+
+    def remove_worker(self, name: str, now: float) -> list[Action]:
+        """Take a worker out of the fleet for good. It must have no call in flight (drain it
+        first: ``set_worker_health(name, False)`` and wait); programs still homed there are
+        placed afresh at their next call."""
+        if self.calls_on(name):
+            raise ValueError(f"worker {name!r} still has {self.calls_on(name)} call(s) in flight")
+        actions = self.set_worker_health(name, False, now)
+        self.ledger.remove_worker(name)
+        self.index.drop_worker(name)
+        self.forget_worker(name)
+        return actions
+
+    def forget_worker(self, name: str) -> None:
+        """Hook: drop a policy's own per-worker state when the worker leaves the fleet."""
+
     def set_worker_health(self, name: str, healthy: bool, now: float) -> list[Action]:
         """Mark a worker (un)healthy; programs homed on a failed worker are re-homed."""
         self.ledger.set_healthy(name, healthy)

@@ -196,6 +196,9 @@ class ProgramAwarePolicy(Policy):
 
     # -- the tick --------------------------------------------------------------------
 
+    def forget_worker(self, name: str) -> None:
+        self._reserved.pop(name, None)
+
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         actions += self._release_idle(now)

@@ -106,6 +106,9 @@ class LeastLoadedPolicy(RouterPolicy):
         self._in_flight[call.worker] -= 1
         return call, program
 
+    def forget_worker(self, name: str) -> None:
+        self._in_flight.pop(name, None)
+
 
 class StickyLeastLoadedPolicy(RouterPolicy):
     """SkyRL's ``sticky_least_loaded`` router (SkyRL PR #1791, vllm-project/router PR #235).
@@ -178,6 +181,9 @@ class KvAwarePolicy(RouterPolicy):
         call, program = super()._finish(request_id, usage, now)
         self._active_tokens[call.worker] -= call.request.prompt_tokens
         return call, program
+
+    def forget_worker(self, name: str) -> None:
+        self._active_tokens.pop(name, None)
 
 
 def _rendezvous(session: str, worker: str) -> int:

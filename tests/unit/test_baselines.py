@@ -512,3 +512,20 @@ def test_continuum_is_sticky() -> None:
     d.arrive("b")
     d.arrive("c")
     assert d.arrive("a", now=5.0).worker == home
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_NAMES))
+def test_a_drained_worker_can_be_removed_and_calls_go_to_the_rest(name):
+    policy = make_policy(PolicyConfig(name=name))
+    for worker in ("w0", "w1"):
+        policy.add_worker(worker, 1_000_000)
+    first = policy.on_arrival(CallRequest("r1", "s1", prompt_tokens=100), 0.0)
+    assert isinstance(first, Admit)
+    gone = first.worker
+    with pytest.raises(ValueError, match="in flight"):
+        policy.remove_worker(gone, 0.5)
+    policy.on_complete("r1", Usage(100, 10), 1.0)
+    policy.remove_worker(gone, 2.0)
+    assert gone not in policy.healthy_workers() and gone not in policy.index.workers()
+    later = policy.on_arrival(CallRequest("r2", "s1", prompt_tokens=120), 3.0)
+    assert isinstance(later, Admit) and later.worker != gone
