@@ -28,6 +28,7 @@ session's home worker when the session is a known program) without the policy he
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import uuid
@@ -38,10 +39,10 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import anyio
-import httpx
 import msgspec
 import structlog
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -65,10 +66,12 @@ from controller.model_catalog import ModelCatalog
 from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
 from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
+from controller.relay_client import RelayResponse, TransportError
 from controller.upstream import (
     StreamTap,
     UpstreamPool,
     UsageCounts,
+    WorkerUnreachable,
     decode_json,
     find_response_id,
     find_usage,
@@ -192,7 +195,9 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
             request_log.close()
             log.info("gateway stopped")
 
-    routes = [Route(path, gateway.proxy, methods=["POST"]) for path in sorted(ROUTES)]
+    # Reached through Starlette's router only when the app is mounted under another one:
+    # the app itself sends these POSTs straight to the relay (_SluiceApp).
+    routes = [Route(path, _RelayEndpoint(gateway), methods=["POST"]) for path in sorted(ROUTES)]
     routes += [
         Route(ROUTE_COUNT_TOKENS, gateway.count_tokens, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
@@ -215,13 +220,44 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         log.error("unhandled error", path=request.url.path, exc_info=exc)
         return error_response(500, "internal error in the gateway", INTERNAL, path=request.url.path)
 
-    app = Starlette(
+    app = _SluiceApp(
+        gateway,
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
     app.state.sluice = parts
     return app
+
+
+class _SluiceApp(Starlette):
+    """Starlette, with the proxied routes' POSTs taken before its middleware and router:
+    on the relay path those cost more than the rest of a call's bookkeeping, and the relay
+    answers its own errors (in the route's API shape) and logs its own failures."""
+
+    def __init__(self, gateway: _Gateway, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._relay = gateway.relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTES:
+            await self._relay(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+class _RelayEndpoint:
+    """The relay as a raw ASGI endpoint of a Starlette route."""
+
+    def __init__(self, gateway: _Gateway) -> None:
+        self._gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._gateway.relay(scope, receive, send)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was read."""
 
 
 class _Gateway:
@@ -232,51 +268,97 @@ class _Gateway:
         self.wall = wall_clock
         self.log = parts.log
         self.forwarded_client_keys = frozenset(parts.config.forward_client_keys)
+        # Request ids: a random prefix per app and a counter (uuid4 per call costs more
+        # than the rest of the id's uses together).
+        self._id_prefix = f"sluice-{uuid.uuid4().hex[:12]}-"
+        self._ids = itertools.count(1)
+        self._request_counters: dict[tuple[str, int], Any] = {}
+        self._upstream_histograms: dict[tuple[str, bool], tuple[Any, Any]] = {}
+
+    def count_request(self, route: str, status: int) -> None:
+        """``sluice_requests{route, status}`` + 1 (the labelled child looked up once)."""
+        key = (route, status)
+        counter = self._request_counters.get(key)
+        if counter is None:
+            counter = self._request_counters[key] = self.parts.metrics.requests.labels(route, str(status))
+        counter.inc()
+
+    def observe_upstream(self, worker: str, stream: bool, total_s: float,
+                         first_byte_s: float | None) -> None:
+        """The upstream latency histograms (their labelled children looked up once)."""
+        key = (worker, stream)
+        children = self._upstream_histograms.get(key)
+        if children is None:
+            metrics = self.parts.metrics
+            children = self._upstream_histograms[key] = (
+                metrics.upstream_seconds.labels(worker, "true" if stream else "false"),
+                metrics.ttft_seconds.labels(worker))
+        children[0].observe(total_s)
+        if first_byte_s is not None:
+            children[1].observe(first_byte_s)
 
     # -- the proxied routes -----------------------------------------------------------
 
-    async def proxy(self, request: Request) -> Response:
+    async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One proxied call, as a raw ASGI app (POST on one of :data:`ROUTES`)."""
         received, received_wall = self.clock(), self.wall()
-        route = request.url.path
+        route = scope["path"]
         try:
-            body_bytes = await self._read_body(request)
-            body = self._parse(body_bytes)
+            headers = Headers(scope=scope)
             try:
-                identity, forward = resolve_identity(route, request.headers, body,
-                                                     self.parts.responses.get)
-                strip_client_engine_keys(forward, self.forwarded_client_keys)
-                stream = forward.get("stream") is True
-                drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
-                content = _encode(forward)
-            except RecursionError:
-                # A body that decoded just under the interpreter's limit can still be too
-                # deep to walk (identity's canonical JSON) or to encode again.
-                raise _too_deep() from None
-        except (GatewayError, IdentityError) as err:
-            return self._refuse(route, err)
-        unknown = await self._unknown_model(identity.model)
-        if unknown is not None:
-            self.parts.metrics.requests.labels(route, "404").inc()
-            return unknown.response(path=route)
-        request_id = f"sluice-{uuid.uuid4().hex}"
-        call = CallRequest(
-            request_id=request_id,
-            session_id=identity.session_id,
-            prompt_tokens=identity.prompt_tokens,
-            max_output_tokens=_max_output(forward),
-            parent_session_id=identity.parent_session_id,
-            chain=identity.chain,
-            chain_tokens=identity.chain_tokens,
-            final=identity.final,
-        )
-        return _ProxyCall(self, route, request, call, identity, content, stream,
-                          drop_usage, received, received_wall)
+                body_bytes = await self._read_body_from(receive, headers)
+                body = self._parse(body_bytes)
+                try:
+                    identity, forward = resolve_identity(route, headers, body,
+                                                         self.parts.responses.get)
+                    strip_client_engine_keys(forward, self.forwarded_client_keys)
+                    stream = forward.get("stream") is True
+                    drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
+                    content = _encode(forward)
+                except RecursionError:
+                    # A body that decoded just under the interpreter's limit can still be too
+                    # deep to walk (identity's canonical JSON) or to encode again.
+                    raise _too_deep() from None
+            except (GatewayError, IdentityError) as err:
+                await self._refuse(route, err)(scope, receive, send)
+                return
+            except _ClientGone:
+                self.count_request(route, 499)
+                self.log.info("client disconnected", stage="upload", route=route)
+                return
+            unknown = await self._unknown_model(identity.model)
+            if unknown is not None:
+                self.count_request(route, 404)
+                await unknown.response(path=route)(scope, receive, send)
+                return
+            call = CallRequest(
+                request_id=f"{self._id_prefix}{next(self._ids)}",
+                session_id=identity.session_id,
+                prompt_tokens=identity.prompt_tokens,
+                max_output_tokens=_max_output(forward),
+                parent_session_id=identity.parent_session_id,
+                chain=identity.chain,
+                chain_tokens=identity.chain_tokens,
+                final=identity.final,
+            )
+        except Exception as exc:
+            # What Starlette's error middleware does for the other routes: nothing was sent yet.
+            self.log.error("unhandled error", path=route, exc_info=exc)
+            await error_response(500, "internal error in the gateway", INTERNAL,
+                                 path=route)(scope, receive, send)
+            return
+        query = scope.get("query_string")
+        path = scope.get("raw_path") or route.encode()
+        if query:
+            path += b"?" + query
+        await _ProxyCall(self, route, path, scope["headers"], call, identity, content, stream,
+                         drop_usage, received, received_wall)(receive, send)
 
     def _refuse(self, route: str, err: GatewayError | IdentityError) -> Response:
         """The gateway's own answer to a request it will not forward, counted by status."""
         if isinstance(err, IdentityError):
             err = GatewayError(400, str(err), INVALID_REQUEST, param=err.source)
-        self.parts.metrics.requests.labels(route, str(err.status)).inc()
+        self.count_request(route, err.status)
         return err.response(path=route)
 
     async def _unknown_model(self, model: str | None) -> GatewayError | None:
@@ -308,19 +390,18 @@ class _Gateway:
             if worker is None:
                 raise GatewayError(503, "no healthy worker: every worker fails its health checks",
                                    UNAVAILABLE)
-            path = route + (f"?{request.url.query}" if request.url.query else "")
+            path = route.encode() + (b"?" + request.url.query.encode() if request.url.query else b"")
             headers = forward_headers(request.headers.raw, identity.session_id)
-            response = await open_upstream(self.parts.pool.client(worker), worker, path,
-                                           content, headers)
+            response = await open_upstream(self.parts.pool, worker, path, content, headers)
             try:
                 answer = await response.aread()
-            except httpx.HTTPError as err:
+            except TransportError as err:
                 raise transport_error(worker, err, mid_stream=True) from None
             finally:
                 await response.aclose()
         except (GatewayError, IdentityError) as err:
             return self._refuse(route, err)
-        self.parts.metrics.requests.labels(route, str(response.status_code)).inc()
+        self.count_request(route, response.status_code)
         if response.status_code == 404:
             # vLLM's OpenAI server may not have the route; its 404 body is not Anthropic's.
             return error_response(404, f"worker {worker} does not serve {route}", NOT_FOUND,
@@ -341,6 +422,45 @@ class _Gateway:
         if program is not None and program.home_worker in healthy:
             return program.home_worker
         return healthy[0]
+
+    async def _read_body_from(self, receive: Receive, headers: Headers) -> bytes:
+        """The request body straight off ASGI ``receive`` (the relay's path; same limits)."""
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length")
+        first = await receive()
+        if first["type"] == "http.disconnect":
+            raise _ClientGone()
+        body = first.get("body", b"")
+        if not first.get("more_body", False) and len(body) <= limit:
+            return body  # the usual case: the whole body in one message
+        too_large = GatewayError(413, f"request body is over the limit of {limit} bytes",
+                                 TOO_LARGE)
+
+        async def rest() -> AsyncIterator[bytes]:
+            more = first.get("more_body", False)
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _ClientGone()
+                more = message.get("more_body", False)
+                yield message.get("body", b"")
+
+        chunks = rest()
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _drain(chunks, int(declared))
+            raise too_large
+        parts = [body]
+        size = len(body)
+        if size > limit:
+            await _drain(chunks, size)
+            raise too_large
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                await _drain(chunks, size)
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -424,17 +544,22 @@ def _max_output(body: dict) -> int | None:
     return None
 
 
-class _ProxyCall(Response):
-    """The rest of one call, run as the ASGI response so it can watch for the client going
-    away the whole time: while held, while the worker computes, while streaming."""
+class _ProxyCall:
+    """The rest of one call, run so it can watch for the client going away the whole time:
+    while held, while the worker computes, while streaming."""
 
-    def __init__(self, gateway: _Gateway, route: str, request: Request, call: CallRequest,
-                 identity: Identity, content: bytes, stream: bool, drop_usage: bool,
-                 received: float, received_wall: float) -> None:
+    __slots__ = ("g", "route", "path", "raw_headers_in", "call", "identity", "content", "stream",
+                 "drop_usage", "received", "received_wall", "admitted", "accounted", "finished",
+                 "started", "status", "sent_upstream_at", "first_byte_at", "_send")
+
+    def __init__(self, gateway: _Gateway, route: str, path: bytes,
+                 raw_headers: list[tuple[bytes, bytes]], call: CallRequest, identity: Identity,
+                 content: bytes, stream: bool, drop_usage: bool, received: float,
+                 received_wall: float) -> None:
         self.g = gateway
         self.route = route
-        self.path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        self.raw_headers_in = request.headers.raw
+        self.path = path
+        self.raw_headers_in = raw_headers
         self.call = call
         self.identity = identity
         self.content = content
@@ -451,7 +576,7 @@ class _ProxyCall(Response):
         self.first_byte_at: float | None = None
         self._send: Send | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, receive: Receive, send: Send) -> None:
         self._send = send
         async with anyio.create_task_group() as tg:
 
@@ -469,7 +594,7 @@ class _ProxyCall(Response):
             finally:
                 tg.cancel_scope.cancel()
         if not self.finished:
-            self.g.parts.metrics.requests.labels(self.route, "499").inc()
+            self.g.count_request(self.route, 499)
             self.g.log.info("client disconnected", request_id=self.call.request_id,
                             session_id=self.call.session_id,
                             stage="held" if self.admitted is None else
@@ -498,13 +623,23 @@ class _ProxyCall(Response):
         if self.admitted.held_s > 0:
             parts.metrics.hold_seconds.observe(self.admitted.held_s)
         worker = self.admitted.worker
-        response: httpx.Response | None = None
+        response: RelayResponse | None = None
         try:
             headers = forward_headers(self.raw_headers_in, self.call.session_id)
             self.sent_upstream_at = self.g.clock()
             try:
-                response = await open_upstream(parts.pool.client(worker), worker, self.path,
-                                               self.content, headers)
+                response = await open_upstream(parts.pool, worker, self.path, self.content, headers)
+            except WorkerUnreachable as err:
+                # RE-PLACEMENT GOES HERE. The call was never sent (``err.worker`` refused or
+                # did not accept the connection): instead of answering the client, the call
+                # should go back to admission to be placed on another worker, and the worker
+                # marked down now. Until that is wired, it fails like any transport error.
+                await self._account(None)
+                self.g.log.warning("worker unreachable", request_id=self.call.request_id,
+                                   session_id=self.call.session_id, worker=err.worker,
+                                   status=err.status, problem=err.message)
+                await self._send_error(err)
+                return
             except GatewayError as err:
                 await self._account(None)
                 self.g.log.warning("upstream failed", request_id=self.call.request_id,
@@ -528,10 +663,10 @@ class _ProxyCall(Response):
                 if not self.accounted:
                     await self._account(None)
 
-    async def _relay_whole(self, response: httpx.Response, worker: str) -> None:
+    async def _relay_whole(self, response: RelayResponse, worker: str) -> None:
         try:
             body = await response.aread()
-        except httpx.HTTPError as err:
+        except TransportError as err:
             await self._account(None)
             await self._send_error(transport_error(worker, err, mid_stream=True))
             return
@@ -557,7 +692,7 @@ class _ProxyCall(Response):
         await self._start(response.status_code, headers)
         await self._body(body, more=False)
 
-    async def _relay_stream(self, response: httpx.Response, worker: str) -> None:
+    async def _relay_stream(self, response: RelayResponse, worker: str) -> None:
         tap = StreamTap(self.drop_usage)
         await self._start(response.status_code, response_headers(response.headers))
         try:
@@ -572,7 +707,7 @@ class _ProxyCall(Response):
             rest = tap.flush()
             if rest:
                 await self._body(rest)
-        except httpx.HTTPError as err:
+        except TransportError as err:
             error = transport_error(worker, err, mid_stream=True)
             self.g.log.warning("upstream stream broke", request_id=self.call.request_id,
                                session_id=self.call.session_id, worker=worker, problem=error.message)
@@ -613,12 +748,11 @@ class _ProxyCall(Response):
     def _observe(self, worker: str, counts: UsageCounts | None) -> None:
         parts = self.g.parts
         now = self.g.clock()
-        parts.metrics.requests.labels(self.route, str(self.status)).inc()
+        self.g.count_request(self.route, self.status)
         if self.sent_upstream_at is not None:
-            parts.metrics.upstream_seconds.labels(worker, "true" if self.stream else "false").observe(
-                now - self.sent_upstream_at)
-            if self.first_byte_at is not None:
-                parts.metrics.ttft_seconds.labels(worker).observe(self.first_byte_at - self.sent_upstream_at)
+            self.g.observe_upstream(
+                worker, self.stream, now - self.sent_upstream_at,
+                None if self.first_byte_at is None else self.first_byte_at - self.sent_upstream_at)
         if counts is None:
             return
         usage = counts.to_usage(self.identity.prompt_tokens)
@@ -666,4 +800,4 @@ class _ProxyCall(Response):
         await self._start(err.status, [(b"content-type", b"application/json"),
                                        (b"content-length", str(len(body)).encode())])
         await self._body(body, more=False)
-        self.g.parts.metrics.requests.labels(self.route, str(err.status)).inc()
+        self.g.count_request(self.route, err.status)

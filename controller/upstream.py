@@ -1,6 +1,7 @@
 """Talking to the workers: pooled clients, what is forwarded, and reading usage off streams.
 
-- One :class:`httpx.AsyncClient` per worker (:class:`UpstreamPool`), keep-alive pooled.
+- :class:`UpstreamPool`: per worker, the relay's keep-alive pool
+  (:mod:`controller.relay_client`) and an httpx client for health, capacity and models.
 - :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
   client's ``Connection`` names), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so
   what comes back can be passed on byte for byte.
@@ -11,7 +12,8 @@
 - :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
   bytes on as they arrive; in drop mode it holds back at most one unfinished event and
   removes exactly the usage-only chunk it asked for.
-- :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`.
+- :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`
+  (:class:`WorkerUnreachable` when the call was never sent).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 import msgspec
 
 from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
+from controller.relay_client import Limits, RelayResponse, TransportError, WorkerConnections
 from controller.serve_config import UpstreamConfig, WorkerConfig
 from scheduler.calls import Usage
 
@@ -69,10 +72,10 @@ def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str) -> list
 _SERVER_SET = frozenset({"date", "server"})
 
 
-def response_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
-    """The worker's response headers as the client should see them."""
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The worker's response headers (raw pairs, as received) as the client should see them."""
     out = []
-    for name, value in headers.raw:
+    for name, value in raw:
         lower = name.decode("latin-1").lower()
         if not _is_hop_by_hop(lower) and lower not in _SERVER_SET:
             out.append((name, value))
@@ -305,83 +308,104 @@ class StreamTap:
 
 # -- the pool --------------------------------------------------------------------------------
 
+# Idle keep-alive connections to a worker are not reused after this long: below uvicorn's
+# (and so vLLM's) 5 s keep-alive, so the server never closes one under a new request.
+IDLE_EXPIRY_S = 3.0
+
 
 class UpstreamPool:
-    """Pooled clients per worker, closed together.
+    """The connections to each worker, closed together.
 
-    Each worker's connections are split over ``pool_shards`` httpx clients used in turn:
-    httpcore scans every pooled connection on each request (a cost that grows with the
-    square of the pool at a hundred concurrent streams: encode/httpcore#1035), so several
-    small pools cost less than one large one. With ``pool_shards: 1`` it is the one pooled
-    client per worker of DESIGN.md §5.
+    - :meth:`relay`: the relay path's keep-alive pool (:mod:`controller.relay_client`), sized
+      by ``upstream.max_connections`` / ``max_keepalive_connections``.
+    - :meth:`client`: one :class:`httpx.AsyncClient` per worker for the rare control calls
+      (health, capacity, models), where httpx's convenience costs nothing that matters.
     """
 
-    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig) -> None:
+    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig,
+                 idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
         timeout = httpx.Timeout(
             connect=config.connect_timeout_s,
             read=config.read_timeout_s,
             write=config.write_timeout_s,
             pool=config.pool_timeout_s,
         )
-        shards = config.pool_shards
-        limits = httpx.Limits(
-            max_connections=max(1, config.max_connections // shards),
-            max_keepalive_connections=max(0, config.max_keepalive_connections // shards),
+        limits = Limits(
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            write_timeout_s=config.write_timeout_s,
+            pool_timeout_s=config.pool_timeout_s,
+            max_connections=config.max_connections,
+            max_idle_connections=config.max_keepalive_connections,
+            idle_expiry_s=idle_expiry_s,
         )
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
         self._clients = {
-            worker.name: [
-                httpx.AsyncClient(
-                    base_url=worker.url, timeout=timeout, limits=limits, trust_env=False,
-                    follow_redirects=False,
-                )
-                for _ in range(shards)
-            ]
+            worker.name: httpx.AsyncClient(
+                base_url=worker.url, timeout=timeout, trust_env=False, follow_redirects=False,
+                limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
+            )
             for worker in workers
         }
-        self._turn = {worker.name: 0 for worker in workers}
+        self._relays = {worker.name: WorkerConnections(worker.url, limits) for worker in workers}
         self.urls = {worker.name: worker.url for worker in workers}
 
     def client(self, worker: str) -> httpx.AsyncClient:
-        shards = self._clients[worker]
-        turn = self._turn[worker]
-        self._turn[worker] = turn + 1
-        return shards[turn % len(shards)]
+        return self._clients[worker]
+
+    def relay(self, worker: str) -> WorkerConnections:
+        return self._relays[worker]
 
     def names(self) -> list[str]:
         return list(self._clients)
 
     async def aclose(self) -> None:
-        for shards in self._clients.values():
-            for client in shards:
-                await client.aclose()
+        for relay in self._relays.values():
+            await relay.aclose()
+        for client in self._clients.values():
+            await client.aclose()
 
 
-def transport_error(worker: str, err: httpx.HTTPError, mid_stream: bool = False) -> GatewayError:
-    """A failure to talk to ``worker`` as the client should see it (502 or 504)."""
-    if isinstance(err, httpx.TimeoutException):
-        kind = type(err).__name__
-        return GatewayError(504, f"worker {worker} did not answer in time ({kind})", UPSTREAM_TIMEOUT)
+class WorkerUnreachable(GatewayError):
+    """The call was never sent: the worker refused the connection (or did not accept it in
+    time, or none of its connections came free). The gateway may place it elsewhere."""
+
+    def __init__(self, worker: str, status: int, message: str, type_: str) -> None:
+        super().__init__(status, message, type_)
+        self.worker = worker
+
+
+def transport_error(worker: str, err: TransportError, mid_stream: bool = False) -> GatewayError:
+    """A failure to talk to ``worker`` as the client should see it (502 or 504); a
+    :class:`WorkerUnreachable` when the request provably never left."""
     detail = str(err) or type(err).__name__
-    if mid_stream:
-        return GatewayError(502, f"worker {worker} broke off the response: {detail}", UPSTREAM)
-    return GatewayError(502, f"cannot reach worker {worker}: {detail}", UPSTREAM)
+    if err.timeout:
+        status, type_ = 504, UPSTREAM_TIMEOUT
+        message = f"worker {worker} did not answer in time ({type(err).__name__}: {detail})"
+    elif mid_stream:
+        status, type_ = 502, UPSTREAM
+        message = f"worker {worker} broke off the response: {detail}"
+    else:
+        status, type_ = 502, UPSTREAM
+        message = f"cannot reach worker {worker}: {detail}"
+    if not err.sent:
+        return WorkerUnreachable(worker, status, message, type_)
+    return GatewayError(status, message, type_)
 
 
-async def open_upstream(client: httpx.AsyncClient, worker: str, path: str, content: bytes,
-                        headers: list[tuple[bytes, bytes]]) -> httpx.Response:
-    """POST and return the streamed response; transport errors and 5xx raise GatewayError
-    (the 5xx response is read and closed first)."""
-    request = client.build_request("POST", path, content=content, headers=headers)
+async def open_upstream(pool: UpstreamPool, worker: str, path: bytes, content: bytes,
+                        headers: list[tuple[bytes, bytes]]) -> RelayResponse:
+    """POST and return the response as it streams in; transport errors and 5xx raise
+    GatewayError (the 5xx response is read and closed first)."""
     try:
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as err:
+        response = await pool.relay(worker).request(b"POST", path, headers, content)
+    except TransportError as err:
         raise transport_error(worker, err) from None
     if response.status_code >= 500:
         try:
             body = await _read_snippet(response)
-        except httpx.HTTPError:
+        except TransportError:
             body = b""
         finally:
             await response.aclose()
@@ -392,7 +416,7 @@ async def open_upstream(client: httpx.AsyncClient, worker: str, path: str, conte
     return response
 
 
-async def _read_snippet(response: httpx.Response) -> bytes:
+async def _read_snippet(response: RelayResponse) -> bytes:
     parts: list[bytes] = []
     size = 0
     async for chunk in response.aiter_raw():
