@@ -107,6 +107,7 @@ class _Connection(asyncio.Protocol):
         self.head_done = False
         self.complete = False
         self.until_close = False
+        self.keep_alive = False
         self.error: TransportError | None = None
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
@@ -165,6 +166,8 @@ class _Connection(asyncio.Protocol):
             self.headers = []
             return
         self.head_done = True
+        # Read now: after the message completes the parser no longer knows.
+        self.keep_alive = self.parser.should_keep_alive()
         delimited = False
         for name, value in self.headers:
             lower = name.lower()
@@ -202,7 +205,7 @@ class _Connection(asyncio.Protocol):
     def begin(self) -> None:
         self.status = 0
         self.headers = []
-        self.head_done = self.complete = self.until_close = False
+        self.head_done = self.complete = self.until_close = self.keep_alive = False
         self.error = None
         self.chunks.clear()
         self.buffered = 0
@@ -242,8 +245,8 @@ class _Connection(asyncio.Protocol):
         return data
 
     def reusable(self) -> bool:
-        return (self.complete and not self.closed and not self.chunks and self.error is None
-                and self.parser.should_keep_alive())
+        return (self.complete and self.keep_alive and not self.closed and not self.chunks
+                and self.error is None)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
