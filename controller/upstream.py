@@ -37,6 +37,9 @@ HOP_BY_HOP = frozenset({
 })
 # Not hop-by-hop, but replaced: the gateway sets them itself.
 _REPLACED = frozenset({"accept-encoding", "x-session-id"})
+# The same, as the bytes header names arrive in (compared without decoding them per call).
+_NOT_FORWARDED = frozenset(name.encode() for name in HOP_BY_HOP | _REPLACED)
+_IDENTITY_ENCODING = (b"accept-encoding", b"identity")
 # Routes whose streams carry OpenAI ``stream_options.include_usage`` chunks.
 USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ERROR_SNIPPET_BYTES = 2048
@@ -44,40 +47,37 @@ ERROR_SNIPPET_BYTES = 2048
 _json_decode = msgspec.json.Decoder().decode
 
 
-def _is_hop_by_hop(name: str) -> bool:
-    return name in HOP_BY_HOP or name.startswith("proxy-")
-
-
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str) -> list[tuple[bytes, bytes]]:
     """The client's headers as the worker should see them (``raw`` as ASGI gives them)."""
-    pairs = list(raw)
-    named_by_connection: set[str] = set()
-    for name, value in pairs:
-        if name.lower() == b"connection":
-            named_by_connection.update(
-                token.strip().lower() for token in value.decode("latin-1").split(",") if token.strip()
-            )
     out: list[tuple[bytes, bytes]] = []
-    for name, value in pairs:
-        lower = name.decode("latin-1").lower()
-        if _is_hop_by_hop(lower) or lower in _REPLACED or lower in named_by_connection:
+    named_by_connection: set[bytes] | None = None
+    for name, value in raw:
+        lower = name.lower()
+        if lower in _NOT_FORWARDED or lower.startswith(b"proxy-"):
+            if lower == b"connection":
+                named_by_connection = named_by_connection or set()
+                named_by_connection.update(
+                    token.strip().lower() for token in value.split(b",") if token.strip())
             continue
         out.append((name, value))
+    if named_by_connection:
+        out = [pair for pair in out if pair[0].lower() not in named_by_connection]
     out.append((b"x-session-id", session_id.encode("latin-1")))
-    out.append((b"accept-encoding", b"identity"))
+    out.append(_IDENTITY_ENCODING)
     return out
 
 
 # The gateway's own server adds these; the worker's would appear twice.
 _SERVER_SET = frozenset({"date", "server"})
+_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | _SERVER_SET)
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The worker's response headers (raw pairs, as received) as the client should see them."""
     out = []
     for name, value in raw:
-        lower = name.decode("latin-1").lower()
-        if not _is_hop_by_hop(lower) and lower not in _SERVER_SET:
+        lower = name.lower()
+        if lower not in _NOT_RELAYED and not lower.startswith(b"proxy-"):
             out.append((name, value))
     return out
 
