@@ -9,7 +9,8 @@ Three processes on loopback (127.0.0.1, free ports picked at start):
   ``chat.completion`` body with usage. A stream (chunked, as vLLM sends it) is the role
   chunk, ``max_tokens`` content chunks, the ``finish_reason`` chunk, the usage-only chunk
   when the request asks for it, then ``data: [DONE]``; each event is its own write, and with
-  an ``x-bench-gap-ms`` header the events are that far apart, as an engine's tokens are.
+  an ``x-bench-gap-ms`` header the events are that far apart (each at its own time from the
+  start of the stream), as an engine's tokens are.
   ``GET /health`` answers 200. It is raw so that it costs little of the core it shares with
   the load generator.
 - the **gateway**, exactly as users run it: ``sluice serve --config FILE`` (run as
@@ -75,6 +76,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -104,6 +106,9 @@ LONG_EVENTS = 202
 STREAMS = 100
 OVERHEAD_EVENTS = 16
 OVERHEAD_GAP_MS = 20.0
+# Each stream's client "thinks" (a tool call, say) for a random time, uniform over
+# [0, 2 x this], before each request: a hundred agents do not call in lockstep.
+OVERHEAD_THINK_MS = 100.0
 
 # -- the fast upstream -------------------------------------------------------------------------
 
@@ -232,9 +237,12 @@ class _UpstreamProtocol(asyncio.Protocol):
         with_usage = isinstance(options, dict) and options.get("include_usage") is True
         words = request.get("max_tokens") or len(_STREAM_WORDS)
         transport.write(_STREAM_HEAD + _STREAM_ROLE)
+        # Each event at its own time from the start, as an engine's steps come: a late wake-up
+        # (this process shares its core) delays one event, not every event after it.
+        start = asyncio.get_running_loop().time()
         for i in range(words):
             if gap_s:
-                await asyncio.sleep(gap_s)
+                await asyncio.sleep(start + (i + 1) * gap_s - asyncio.get_running_loop().time())
             if transport.is_closing():
                 return  # the gateway went away mid-stream
             transport.write(_STREAM_WORDS[i % len(_STREAM_WORDS)])
@@ -500,6 +508,14 @@ class _Load:
             _, conn = await loop.create_connection(_LoadConnection, "127.0.0.1", self.port)
             self.conns.append(conn)
 
+    async def reconnect(self) -> None:
+        """Fresh connections: a server closes idle keep-alive ones (uvicorn after 5 s), and
+        the other path's round may have left these idle that long."""
+        count = len(self.conns)
+        self.close()
+        self.conns = []
+        await self.connect(count)
+
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
@@ -535,6 +551,7 @@ async def _window(load: _Load, requests: list[bytes], stream: bool, warmup_s: fl
     """Closed loop, one client per request in ``requests``: (completed per second inside the
     window, ``meter``'s CPU seconds per completed request inside it)."""
     await load.connect(len(requests))
+    await load.reconnect()
     counting = False
     stop = False
     done = 0
@@ -558,16 +575,21 @@ async def _window(load: _Load, requests: list[bytes], stream: bool, warmup_s: fl
     return done / elapsed, cpu
 
 
-async def _rounds(load: _Load, requests: list[bytes], count: int) -> list[tuple[float, float]]:
-    """``count`` streams from ``len(requests)`` closed-loop clients: (latency, ttfb) each."""
+async def _rounds(load: _Load, requests: list[bytes], count: int, think_s: float,
+                  seed: int) -> list[tuple[float, float]]:
+    """``count`` streams from ``len(requests)`` closed-loop clients, each waiting a random
+    time in [0, 2 ``think_s``] before each request: (latency, ttfb) of each stream."""
     await load.connect(len(requests))
+    await load.reconnect()
     timings: list[tuple[float, float]] = []
     left = count
+    rng = random.Random(seed)
 
     async def loop(i: int) -> None:
         nonlocal left
         while left > 0:
             left -= 1
+            await asyncio.sleep(rng.uniform(0, 2 * think_s))
             timing = await load.call(i, requests[i], True)
             if timing is not None:
                 timings.append(timing)
@@ -632,8 +654,8 @@ async def _per_chunk(gateway_port: int, gateway: _Child, warmup_s: float, window
     return per_chunk
 
 
-async def _overhead(upstream_port: int, gateway_port: int, rounds: int, per_round: int,
-                    deadline: float) -> tuple[float, float]:
+async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, rounds: int,
+                    per_round: int, deadline: float) -> tuple[float, float]:
     def requests(port: int) -> list[bytes]:
         return [_request(port, f"bench-stream-{i:03d}", stream=True, words=OVERHEAD_EVENTS,
                          gap_ms=OVERHEAD_GAP_MS) for i in range(STREAMS)]
@@ -648,18 +670,23 @@ async def _overhead(upstream_port: int, gateway_port: int, rounds: int, per_roun
             same.append(await load.conns[0].request(reqs[name][0]))
         if same[0] != same[1]:
             raise RuntimeError(f"the gateway changed the stream: {same[0]!r} vs {same[1]!r}")
+        think_s = OVERHEAD_THINK_MS / 1e3
         for name in ("direct", "via"):  # warm-up: connections, programs, code paths
-            await _rounds(loads[name], reqs[name], STREAMS)
+            await _rounds(loads[name], reqs[name], STREAMS, think_s, seed=0)
         for r in range(rounds):
             if r >= 2 and time.perf_counter() > deadline:
                 progress(f"gateway: c={STREAMS}: stopping after {r} rounds (time budget)")
                 break
             for name in (("direct", "via") if r % 2 == 0 else ("via", "direct")):
-                timings = await _rounds(loads[name], reqs[name], per_round)
+                started, cpu = time.perf_counter(), gateway.cpu_seconds()
+                # the same think times on both paths (seeded by round)
+                timings = await _rounds(loads[name], reqs[name], per_round, think_s, seed=r + 1)
+                busy = (gateway.cpu_seconds() - cpu) / (time.perf_counter() - started)
                 samples[name] += timings
                 lat = [t[0] for t in timings]
                 progress(f"gateway: c={STREAMS} round {r + 1}/{rounds} {name:6s} "
-                         f"p50 {_ms(lat, 50):8.2f} ms  p99 {_ms(lat, 99):8.2f} ms")
+                         f"p50 {_ms(lat, 50):8.2f} ms  p99 {_ms(lat, 99):8.2f} ms  "
+                         f"(gateway {100 * busy:.0f} % busy)")
         for name, load in loads.items():
             if load.failed:
                 progress(f"gateway: c={STREAMS} {name}: {load.failures()}")
@@ -670,7 +697,8 @@ async def _overhead(upstream_port: int, gateway_port: int, rounds: int, per_roun
     via = [t[0] for t in samples["via"]]
     p50, p99 = (_ms(via, q) - _ms(direct, q) for q in (50, 99))
     ttfb = [_ms([t[1] for t in samples["via"]], 50) - _ms([t[1] for t in samples["direct"]], 50)]
-    progress(f"gateway: {STREAMS} streams of {OVERHEAD_EVENTS} chunks {OVERHEAD_GAP_MS:g} ms apart, "
+    progress(f"gateway: {STREAMS} streams of {OVERHEAD_EVENTS} chunks {OVERHEAD_GAP_MS:g} ms apart "
+             f"(think time {OVERHEAD_THINK_MS:g} ms on average), "
              f"{len(direct)} + {len(via)} streams: direct p50 {_ms(direct, 50):.3f} / p99 "
              f"{_ms(direct, 99):.3f} ms, via p50 {_ms(via, 50):.3f} / p99 {_ms(via, 99):.3f} ms -> "
              f"overhead p50 {p50:.3f} / p99 {p99:.3f} ms (time to first byte: p50 +{ttfb[0]:.3f} ms)")
@@ -761,7 +789,8 @@ def run(*, quick: bool = False, profile: bool = False) -> dict[str, float]:
                 _throughput(up_port, gw_port, gateway, warmup_s, window_s))
             numbers["cpu_per_chunk"] = _run_loop(_per_chunk(gw_port, gateway, warmup_s, window_s))
             numbers["p50"], numbers["p99"] = _run_loop(_overhead(
-                up_port, gw_port, rounds, per_round, time.perf_counter() + overhead_budget_s))
+                up_port, gw_port, gateway, rounds, per_round,
+                time.perf_counter() + overhead_budget_s))
             gateway.stop()
             children.remove(gateway)
 
