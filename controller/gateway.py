@@ -35,7 +35,7 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -44,7 +44,6 @@ import anyio
 import msgspec
 import structlog
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -277,6 +276,21 @@ class _RelayEndpoint:
         await self._gateway.relay(scope, receive, send)
 
 
+class _HeaderMap(dict):
+    """A request's headers, lower-case ``str`` names (as ASGI gives them) to ``str`` values,
+    the first of a repeated name kept (as Starlette's ``Headers.get`` does). Not a plain
+    ``dict``, so :func:`resolve_identity` takes its names as lower-cased already."""
+
+
+def _header_map(raw: list[tuple[bytes, bytes]]) -> _HeaderMap:
+    headers = _HeaderMap()
+    for name, value in raw:
+        key = name.decode("latin-1")
+        if key not in headers:
+            headers[key] = value.decode("latin-1")
+    return headers
+
+
 class _ClientGone(Exception):
     """The client disconnected before its request body was read."""
 
@@ -327,7 +341,7 @@ class _Gateway:
         received, received_wall = self.clock(), self.wall()
         route = scope["path"]
         try:
-            headers = Headers(scope=scope)
+            headers = _header_map(scope["headers"])
             try:
                 body_bytes = await self._read_body_from(receive, headers)
                 body = self._parse(body_bytes)
@@ -446,7 +460,7 @@ class _Gateway:
             return program.home_worker
         return healthy[0]
 
-    async def _read_body_from(self, receive: Receive, headers: Headers) -> bytes:
+    async def _read_body_from(self, receive: Receive, headers: Mapping[str, str]) -> bytes:
         """The request body straight off ASGI ``receive`` (the relay's path; same limits)."""
         limit = self.config.max_body_bytes
         declared = headers.get("content-length")

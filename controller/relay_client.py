@@ -114,6 +114,9 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.waiter: asyncio.Future[None] | None = None
         self.drained: asyncio.Future[None] | None = None
+        self.loop = asyncio.get_running_loop()
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -135,6 +138,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.pool.forget(self)
         if self.head_done and self.until_close and exc is None and not self.complete:
             self.complete = True  # a body delimited by the end of the connection
@@ -213,17 +219,31 @@ class _Connection(asyncio.Protocol):
         self.in_exchange = True
 
     async def wait(self, timeout_s: float, what: str) -> None:
-        """Until the parser has news (or the connection ends), at most ``timeout_s``."""
-        loop = asyncio.get_running_loop()
+        """Until the parser has news (or the connection ends), at most ``timeout_s``.
+
+        One timer per connection, moved forward lazily: a stream waits once per chunk, and a
+        timer made and cancelled per wait would cost more than the rest of the wait."""
+        loop = self.loop
         waiter = self.waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, waiter)
+        self.deadline = loop.time() + timeout_s
+        if self.timer is None:
+            self.timer = loop.call_at(self.deadline, self._check_deadline)
         try:
             await waiter
         except asyncio.TimeoutError:
             raise ReadTimeout(f"no {what} within {timeout_s:g} s") from None
         finally:
-            timer.cancel()
             self.waiter = None
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait sets a timer again
+        if self.loop.time() >= self.deadline:
+            waiter.set_exception(asyncio.TimeoutError())
+        else:
+            self.timer = self.loop.call_at(self.deadline, self._check_deadline)
 
     async def drain(self, timeout_s: float) -> None:
         drained = self.drained
@@ -251,11 +271,6 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(asyncio.TimeoutError())
 
 
 def _readable(conn: _Connection) -> bool:
