@@ -250,8 +250,9 @@ class _Connection(asyncio.Protocol):
         if drained is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(drained), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(drained)
+        except TimeoutError:
             raise WriteTimeout(f"the request was not written within {timeout_s:g} s") from None
 
     def take(self) -> bytes:
@@ -279,11 +280,12 @@ def _readable(conn: _Connection) -> bool:
     sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
     if sock is None:
         return False
+    poller = select.poll()  # not select.select: it cannot take descriptors above 1023
     try:
-        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True  # no usable descriptor: treat as gone
-    return bool(readable)
 
 
 class RelayResponse:
@@ -362,8 +364,9 @@ class WorkerConnections:
         waiter = asyncio.get_running_loop().create_future()
         self._slot_waiters.append(waiter)
         try:
-            await asyncio.wait_for(waiter, self.limits.pool_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.limits.pool_timeout_s):
+                await waiter
+        except TimeoutError:
             raise PoolTimeout(f"no free connection within {self.limits.pool_timeout_s:g} s "
                               f"({self.limits.max_connections} in use)") from None
         finally:
@@ -381,10 +384,12 @@ class WorkerConnections:
         loop = asyncio.get_running_loop()
         self._open += 1
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self._ssl),
-                self.limits.connect_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: a connection made just as the wait ends must not
+            # be lost with the inner task (its socket would stay open, uncounted).
+            async with asyncio.timeout(self.limits.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Connection(self), self.host,
+                                                       self.port, ssl=self._ssl)
+        except TimeoutError:
             self._open -= 1
             self._free_slot()
             raise ConnectTimeout(f"no connection within {self.limits.connect_timeout_s:g} s") from None

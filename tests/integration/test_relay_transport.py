@@ -11,15 +11,18 @@ import threading
 import time
 
 import pytest
-from gateway_harness import ServerThread, chat, fakes, free_port, gateway, serve_config
+from gateway_harness import ServerThread, chat, fakes, free_port, gateway, serve_config, wait_for
 
 from controller.errors import GatewayError
-from controller.relay_client import Disconnected, Limits, WorkerConnections
+from controller.relay_client import Disconnected, Limits, ReadTimeout, WorkerConnections
 from controller.serve_config import UpstreamConfig, WorkerConfig
 from controller.upstream import UpstreamPool, WorkerUnreachable, open_upstream
 from fake_vllm import FakeState, create_fake
 
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
+# A stream that sends one event and then nothing more.
+STALLED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+           b"d\r\ndata: first\n\n\r\n")
 
 
 def _limits(idle_expiry_s: float = 30.0) -> Limits:
@@ -31,7 +34,7 @@ class TinyServer:
     """Blocking sockets in threads: answers every request with ``ANSWER`` on a keep-alive
     connection; :meth:`close_idle` shuts its connections at once (FIN sent before it returns),
     as a server whose keep-alive ran out does. ``mode="hang_up"`` reads a request and closes
-    without answering."""
+    without answering; ``mode="stall"`` starts a stream and never goes on."""
 
     def __init__(self, mode: str = "answer") -> None:
         self.mode = mode
@@ -75,7 +78,7 @@ class TinyServer:
                     if self.mode == "hang_up":
                         conn.close()
                         return
-                    conn.sendall(ANSWER)
+                    conn.sendall(STALLED if self.mode == "stall" else ANSWER)
         except OSError:
             return  # closed by close_idle or the client
 
@@ -200,6 +203,49 @@ def test_a_hang_up_surfaces_as_disconnected_from_the_pool():
         asyncio.run(main())
     finally:
         server.stop()
+
+
+def test_a_stream_that_stops_sending_times_out_between_chunks():
+    """The read timeout counts from the last chunk, on a timer the connection moves forward
+    lazily (so it must still fire)."""
+    server = TinyServer(mode="stall")
+
+    async def main() -> None:
+        limits = Limits(connect_timeout_s=2, read_timeout_s=0.3, write_timeout_s=2, pool_timeout_s=2,
+                        max_connections=8, max_idle_connections=8, idle_expiry_s=30)
+        pool = WorkerConnections(server.url, limits)
+        response = await pool.request(b"POST", b"/v1/chat/completions", [], b"{}")
+        chunks = []
+        started = time.monotonic()
+        with pytest.raises(ReadTimeout):
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+        assert chunks == [b"data: first\n\n"]
+        assert 0.25 < time.monotonic() - started < 2.0
+        await response.aclose()
+        await pool.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_a_client_leaving_during_its_upload_is_a_499_not_an_unhandled_error():
+    with fakes("w0") as started:
+        workers = [{"name": f.name, "url": s.url, "capacity_tokens": 1_000_000} for f, s in started]
+        with gateway(serve_config(workers)) as gw:
+            with socket.create_connection(("127.0.0.1", gw.server.port)) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+                             b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                             b'{"model": "fake-model",')
+                time.sleep(0.1)
+            lines = wait_for(lambda: [line for line in gw.log.lines() if '"client disconnected"' in line],
+                             what="the disconnect logged")
+            assert '"stage": "upload"' in lines[0] or '"stage":"upload"' in lines[0]
+            assert "unhandled error" not in gw.log.getvalue()
+            metrics = gw.client.get("/metrics").text
+            assert 'sluice_requests_total{route="/v1/chat/completions",status="499"} 1.0' in metrics
 
 
 def test_gateway_survives_a_worker_closing_idle_connections_before_the_gateway_does():
