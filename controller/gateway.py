@@ -698,11 +698,11 @@ class _ProxyCall:
             if not self.started:
                 await self._send_error(GatewayError(500, "internal error in the gateway", INTERNAL))
         finally:
-            with anyio.CancelScope(shield=True):
-                if response is not None:
-                    await response.aclose()
-                if not self.accounted:
-                    await self._account(None)
+            # No shield needed here: closing does not wait, and _account shields itself.
+            if response is not None:
+                response.close()
+            if not self.accounted:
+                await self._account(None)
 
     async def _relay_whole(self, response: RelayResponse, worker: str) -> None:
         try:

@@ -318,10 +318,15 @@ class RelayResponse:
         parts = [chunk async for chunk in self.aiter_raw()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """What :meth:`aclose` does; it never waits, so it also runs where a cancellation
+        is pending (a client that left) without being cut short."""
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.pool.release(conn)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class WorkerConnections:
