@@ -213,9 +213,17 @@ def decode_json(data: bytes) -> Any:
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE_SPLIT = re.compile(rb"\r\n|\n|\r")
 _SCAN_LIMIT = 4 * 1024 * 1024
-_WORTH_PARSING = re.compile(rb"usage|\[DONE\]|message_stop|response\.(?:created|completed|failed|incomplete)")
+_RESPONSE_EVENT_WORTH_PARSING = re.compile(rb"response\.(?:created|completed|failed|incomplete)")
 _END_EVENT_TYPES = frozenset({"message_stop", "response.completed", "response.failed",
                               "response.incomplete"})
+
+
+def _worth_parsing(event: bytes) -> bool:
+    """Whether an event may carry usage, a response id or the end marker (plain substring
+    tests first: a regex over every token's event costs more than the rest of its relay)."""
+    if b"usage" in event or b"[DONE]" in event or b"message_stop" in event:
+        return True
+    return b"response." in event and _RESPONSE_EVENT_WORTH_PARSING.search(event) is not None
 
 
 def _event_data(event: bytes) -> bytes | None:
@@ -251,6 +259,14 @@ class StreamTap:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.drop_usage_chunk and not self._pending:
+            # The usual chunk: exactly one whole event (an engine step's token).
+            match = _EVENT_END.search(chunk)
+            if match is not None and match.end() == len(chunk):
+                if self._inspect(chunk[:match.start()]) and not self.dropped:
+                    self.dropped = True
+                    return b""
+                return chunk
         buffer = self._pending + chunk if self._pending else chunk
         start = 0
         if not self.drop_usage_chunk:
@@ -283,7 +299,7 @@ class StreamTap:
 
     def _inspect(self, event: bytes) -> bool:
         """Scan one event; True when it is a usage-only chunk."""
-        if not _WORTH_PARSING.search(event):
+        if not _worth_parsing(event):
             return False
         data = _event_data(event)
         if data is None:
