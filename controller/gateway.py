@@ -65,9 +65,9 @@ from controller.errors import (
 from controller.identity import ROUTE_MESSAGES, ROUTES, Identity, IdentityError, resolve_identity
 from controller.model_catalog import ModelCatalog
 from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
+from controller.relay_client import RelayResponse, TransportError
 from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
-from controller.relay_client import RelayResponse, TransportError
 from controller.upstream import (
     StreamTap,
     UpstreamPool,
