@@ -11,7 +11,8 @@ Three processes on loopback (127.0.0.1, free ports picked at start):
   when the request asks for it, then ``data: [DONE]``; each event is its own write, and with
   an ``x-bench-gap-ms`` header the events are that far apart (each at its own time from the
   start of the stream), as an engine's tokens are.
-  ``GET /health`` answers 200. It is raw so that it costs little of the core it shares with
+  ``GET /health`` answers 200 and ``GET /v1/models`` names the model, as vLLM does (the
+  gateway checks each call's model against that list). It is raw so that it costs little of the core it shares with
   the load generator.
 - the **gateway**, exactly as users run it: ``sluice serve --config FILE`` (run as
   ``python -m entry.cli serve``) with one worker pointing at that upstream,
@@ -152,6 +153,10 @@ _WHOLE_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconten
 _STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                 b"transfer-encoding: chunked\r\n\r\n")
 _HEALTH_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
+_MODELS_BODY = json.dumps({"object": "list", "data": [
+    {"id": MODEL, "object": "model", "created": _CREATED, "owned_by": "bench"}]}).encode()
+_MODELS_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(_MODELS_BODY)).encode() + b"\r\n\r\n" + _MODELS_BODY)
 _NOT_FOUND_RESPONSE = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 _BAD_RESPONSE = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n"
 _STREAM_ROLE = _http_chunk(ROLE_EVENT)
@@ -221,6 +226,9 @@ class _UpstreamProtocol(asyncio.Protocol):
         assert transport is not None
         if method == b"GET" and url == b"/health":
             transport.write(_HEALTH_RESPONSE)
+            return
+        if method == b"GET" and url == b"/v1/models":
+            transport.write(_MODELS_RESPONSE)
             return
         if method != b"POST" or url != b"/v1/chat/completions":
             transport.write(_NOT_FOUND_RESPONSE)
@@ -753,6 +761,17 @@ def _sigterm_exits():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _report_log_problems(log_path: Path) -> None:
+    """Warnings and errors the gateway logged during the run (none expected)."""
+    problems = [line for line in log_path.read_text("utf-8", "replace").splitlines()
+                if '"level": "warning"' in line or '"level": "error"' in line
+                or "Traceback" in line]
+    if problems:
+        progress(f"gateway: the gateway logged {len(problems)} warnings/errors; the first: {problems[0]}")
+    else:
+        progress("gateway: no warnings or errors in the gateway's log")
+
+
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
@@ -793,6 +812,7 @@ def run(*, quick: bool = False, profile: bool = False) -> dict[str, float]:
                 time.perf_counter() + overhead_budget_s))
             gateway.stop()
             children.remove(gateway)
+            _report_log_problems(gateway.log_path)
 
             if profile:
                 prof_path = workdir / "gateway.prof"
