@@ -1,53 +1,76 @@
-"""The gateway's cost: latency it adds to a stream, and non-streaming requests per second.
+"""The gateway's cost: CPU per request and per stream chunk, requests per second on one core,
+and the latency it adds to streams.
 
 Three processes on loopback (127.0.0.1, free ports picked at start):
 
-- a **fast upstream** (this module's :func:`fast_upstream`, a raw ASGI app on uvicorn, started
-  as ``python -m bench.gateway upstream PORT``): OpenAI-shaped chat completions with no model
-  and no sleeps. A stream is eight pre-encoded SSE events sent one ASGI message each — the
-  role chunk, five content chunks, the ``finish_reason`` chunk, the usage-only chunk (when
-  the request asks for it) — then ``data: [DONE]``; a non-streaming answer is one
-  pre-encoded ``chat.completion`` body with usage. ``GET /health`` answers 200.
+- a **fast upstream** (:class:`_UpstreamProtocol`, a raw asyncio HTTP/1.1 server on uvloop
+  with httptools' parser, started as ``python -m bench.gateway upstream PORT``):
+  OpenAI-shaped chat completions with no model. A non-streaming answer is one pre-encoded
+  ``chat.completion`` body with usage. A stream (chunked, as vLLM sends it) is the role
+  chunk, ``max_tokens`` content chunks, the ``finish_reason`` chunk, the usage-only chunk
+  when the request asks for it, then ``data: [DONE]``; each event is its own write, and with
+  an ``x-bench-gap-ms`` header the events are that far apart (each at its own time from the
+  start of the stream), as an engine's tokens are.
+  ``GET /health`` answers 200 and ``GET /v1/models`` names the model, as vLLM does (the
+  gateway checks each call's model against that list). It is raw so that it costs little of the core it shares with
+  the load generator.
 - the **gateway**, exactly as users run it: ``sluice serve --config FILE`` (run as
   ``python -m entry.cli serve``) with one worker pointing at that upstream,
   ``capacity_tokens`` 10^12 and the default ``program_aware`` policy, so it never holds a call
-  — every admission decision, identity resolution, metric, request log line (the default
+  — every admission decision, identity resolution, metric, request-log line (the default
   ``info`` level; its stderr goes to a file) and tick still happens.
-- the **load generator**: this process, one :class:`httpx.AsyncClient` with one keep-alive
-  connection per closed-loop client and target (see :class:`_Clients` for why not one pool).
+- the **load generator**: this process — raw keep-alive HTTP/1.1 connections on uvloop with
+  httptools' parser (:class:`_LoadConnection`), one per closed-loop client, each client its
+  own ``x-session-id`` (so its own program). An httpx client costs more CPU per request than
+  the gateway being measured and would be the bottleneck.
 
-``gateway_overhead_p50_ms`` / ``_p99_ms`` — 100 concurrent streams in a closed loop (each
-stream a distinct ``x-session-id``, i.e. 100 programs, sending its next request as soon as
-the previous one ends). Every request is timed in the load generator from just before the
-request is sent to the last byte of the response read (``data: [DONE]`` seen, stream closed).
-The requests ask for ``stream_options.include_usage`` themselves, so the gateway passes the
-stream through without dropping a chunk and both paths return the same bytes (checked once).
-After a discarded warm-up round of each, rounds *direct* (load generator → upstream) and
-*via* (load generator → gateway → upstream) alternate, the order swapped every other round so
-drift on the machine falls on both alike. The per-request latencies of all *via* rounds form
-one distribution, those of all *direct* rounds another; the overhead at percentile q is
-``q(via) − q(direct)``, the difference of the same percentiles of the two distributions (the
-requests are not paired one to one — there is no pairing between two separate runs). A
-request that fails (an error status, a stream cut short) is counted and reported on stderr,
-not timed; more than a few abort the benchmark.
+With two or more CPUs the gateway runs alone on CPU 0 and the upstream and the load
+generator share the others (``sched_setaffinity``, set before the gateway's ``exec`` so
+every thread inherits it). All three run at nice -10 where that is allowed, so other work on
+the machine does not take turns on the gateway's core (the figures from /proc do not depend
+on that; requests per second and latencies do).
 
-What this measures: in a closed loop at 100 concurrent streams the latency of a request is
-mostly time spent queued behind the other 99 in whichever process is busiest, so the
-overhead is the gateway's per-request CPU cost multiplied by the queue it builds, plus its
-share of the machine's cores taken from the upstream and the load generator (all three
-processes share the CPUs; on a 2-core machine that contention is a large part of the
-number). So stderr also shows, per path, the CPU time each process spent per request (from
-``/proc``, load-independent where the latencies are not), the latency one request sees
-through an idle gateway — one stream at a time, same method — and the load average.
+``gateway_cpu_us_per_request`` and ``gateway_req_per_s`` — non-streaming chat completions from
+64 closed-loop clients, counted over a fixed window after a warm-up. The CPU figure is the
+gateway process's user + system time from ``/proc/PID/stat`` over the window divided by the
+requests completed in it: it does not depend on how fast the load generator is. The same load
+straight to the upstream is shown on stderr: the ceiling the upstream and the load generator
+set on their core.
 
-``gateway_req_per_s`` — non-streaming chat completions through the one gateway process at 64
-concurrent clients (closed loop, distinct sessions), counted over a fixed window after a
-warm-up; the same load straight to the upstream is shown on stderr as the ceiling that the
-upstream and the load generator set on this machine.
+``gateway_cpu_us_per_chunk`` — the gateway's CPU per relayed SSE event, net of the
+per-request cost: streams of ``SHORT_EVENTS`` and of ``LONG_EVENTS`` content chunks
+(``CHUNK_STREAMS`` concurrent clients, events ``CHUNK_GAP_MS`` apart so each reaches the
+gateway in its own read, as tokens do), gateway CPU per stream from /proc for each; the
+difference divided by the difference in events. The clients do not ask for usage, so the
+gateway asks on their behalf and drops that chunk again: the path every stock OpenAI SDK
+stream takes, and the dearer of the two (each event is framed, not just scanned).
+
+``gateway_overhead_p50_ms`` / ``_p99_ms`` — 100 concurrent streams (closed loop, 100
+programs), each ``OVERHEAD_EVENTS`` content events ``OVERHEAD_GAP_MS`` apart (an agent's
+stream at ~50 tokens/s), timed in the load generator from just before the request is sent to
+the last byte (``data: [DONE]`` seen). These requests ask for ``stream_options.include_usage``
+themselves, so both paths return the same bytes (checked once). After a discarded warm-up,
+rounds *direct* (load generator → upstream) and *via* (load generator → gateway → upstream)
+alternate, the order swapped every other round; the overhead at percentile q is
+``q(via) − q(direct)`` over all rounds (the requests are not paired one to one). The gateway
+has its own core and is far from saturated, so this is the latency it adds to a call, not a
+queue. (Up to commit 017c6e4 the streams were back to back, unpaced: then the figure is
+100 × the gateway's CPU per stream — a queue — and read ~106–320 ms.) A request that fails
+(an error status, a stream cut short) is counted and reported, not timed; more than a few
+abort the benchmark.
 
 ``--profile`` adds one more gateway process run under cProfile (``python -m cProfile -o``)
-with the streaming load and the non-streaming load, and prints its top functions to stderr
-after the measurements; the reported numbers never come from the profiled run.
+with the non-streaming and streaming loads, and prints its top functions to stderr after the
+measurements; the reported numbers never come from the profiled run.
+
+Numbers on the 2-CPU development VM (``python -m bench --only gateway``):
+
+=============================  ==================  ===========
+figure                         before (017c6e4)    after
+=============================  ==================  ===========
+gateway_cpu_us_per_request     ~2,250 (stream)     see report
+gateway_req_per_s              255–340             see report
+=============================  ==================  ===========
 """
 
 from __future__ import annotations
@@ -56,26 +79,40 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from bench.common import percentile, progress, result
 
 REPO = Path(__file__).resolve().parent.parent
-STREAMS = 100
-THROUGHPUT_CLIENTS = 64
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 LOG_TAIL_BYTES = 4_000
 # Failed requests (a 502, a broken stream) are counted, reported and left out of the
 # timings; more than this many in one phase abort the benchmark.
 MAX_FAILURES = 20
+GATEWAY_CPU = 0
+BENCH_NICE = -10
+
+THROUGHPUT_CLIENTS = 64
+CHUNK_STREAMS = 32
+CHUNK_GAP_MS = 2.0
+SHORT_EVENTS = 2
+LONG_EVENTS = 502
+STREAMS = 100
+OVERHEAD_EVENTS = 16
+OVERHEAD_GAP_MS = 20.0
+# Each stream's client "thinks" (a tool call, say) for a random time, uniform over
+# [0, 2 x this], before each request: a hundred agents do not call in lockstep.
+OVERHEAD_THINK_MS = 100.0
 
 # -- the fast upstream -------------------------------------------------------------------------
 
@@ -96,11 +133,9 @@ def _chunk(delta: dict, finish: str | None = None) -> dict:
 _USAGE = {"prompt_tokens": 24, "completion_tokens": 6, "total_tokens": 30,
           "prompt_tokens_details": {"cached_tokens": 16}}
 _WORDS = ("Hello", " from", " the", " fast", " upstream")
-STREAM_EVENTS: tuple[bytes, ...] = (
-    _sse(_chunk({"role": "assistant", "content": ""})),
-    *(_sse(_chunk({"content": word})) for word in _WORDS),
-    _sse(_chunk({}, "stop")),
-)
+ROLE_EVENT = _sse(_chunk({"role": "assistant", "content": ""}))
+WORD_EVENTS = tuple(_sse(_chunk({"content": word})) for word in _WORDS)
+FINISH_EVENT = _sse(_chunk({}, "stop"))
 USAGE_EVENT = _sse({"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": _CREATED,
                     "model": MODEL, "choices": [], "usage": _USAGE})
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -110,60 +145,139 @@ WHOLE_BODY = json.dumps({
                  "logprobs": None, "finish_reason": "stop"}],
     "usage": _USAGE,
 }, separators=(",", ":")).encode()
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_JSON_HEADERS = [(b"content-type", b"application/json"),
-                 (b"content-length", str(len(WHOLE_BODY)).encode())]
 
 
-async def _plain(send: Callable[[dict], Awaitable[None]], status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def _http_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-async def fast_upstream(scope: dict, receive: Callable[[], Awaitable[dict]],
-                        send: Callable[[dict], Awaitable[None]]) -> None:
-    """A raw ASGI app answering ``POST /v1/chat/completions`` as fast as it can."""
-    if scope["type"] != "http":
-        return
-    path, method = scope["path"], scope["method"]
-    if method == "GET" and path == "/health":
-        await _plain(send, 200, b"ok")
-        return
-    if method != "POST" or path != "/v1/chat/completions":
-        await _plain(send, 404, b"not found")
-        return
-    parts = []
-    while True:
-        message = await receive()
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
+_WHOLE_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                   + str(len(WHOLE_BODY)).encode() + b"\r\n\r\n" + WHOLE_BODY)
+_STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                b"transfer-encoding: chunked\r\n\r\n")
+_HEALTH_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
+_MODELS_BODY = json.dumps({"object": "list", "data": [
+    {"id": MODEL, "object": "model", "created": _CREATED, "owned_by": "bench"}]}).encode()
+_MODELS_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(_MODELS_BODY)).encode() + b"\r\n\r\n" + _MODELS_BODY)
+_NOT_FOUND_RESPONSE = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+_BAD_RESPONSE = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n"
+_STREAM_ROLE = _http_chunk(ROLE_EVENT)
+_STREAM_WORDS = tuple(_http_chunk(event) for event in WORD_EVENTS)
+_STREAM_END = _http_chunk(FINISH_EVENT)
+_STREAM_USAGE = _http_chunk(USAGE_EVENT)
+_STREAM_DONE = _http_chunk(DONE_EVENT) + b"0\r\n\r\n"
+
+
+class _UpstreamProtocol(asyncio.Protocol):
+    """One keep-alive connection to the fast upstream (requests answered in order)."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._url = b""
+        self._body: list[bytes] = []
+        self._gap_s = 0.0
+        self._header_name = b""
+        self._queue: list[tuple[bytes, bytes, bytes, float]] = []
+        self._busy = False
+
+    def connection_made(self, transport: Any) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        import httptools
+
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self._transport is not None
+            self._transport.write(_BAD_RESPONSE)
+            self._transport.close()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url, self._body, self._gap_s = b"", [], 0.0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-bench-gap-ms":
+            self._gap_s = float(value) / 1e3
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._queue.append((self._parser.get_method(), self._url, b"".join(self._body), self._gap_s))
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().create_task(self._answer_queued())
+
+    async def _answer_queued(self) -> None:
+        try:
+            while self._queue:
+                await self._answer(*self._queue.pop(0))
+        finally:
+            self._busy = False
+
+    async def _answer(self, method: bytes, url: bytes, body: bytes, gap_s: float) -> None:
+        transport = self._transport
+        assert transport is not None
+        if method == b"GET" and url == b"/health":
+            transport.write(_HEALTH_RESPONSE)
+            return
+        if method == b"GET" and url == b"/v1/models":
+            transport.write(_MODELS_RESPONSE)
+            return
+        if method != b"POST" or url != b"/v1/chat/completions":
+            transport.write(_NOT_FOUND_RESPONSE)
+            return
+        try:
+            request = json.loads(body)
+        except ValueError:
+            transport.write(_BAD_RESPONSE)
+            return
+        if request.get("stream") is not True:
+            transport.write(_WHOLE_RESPONSE)
+            return
+        options = request.get("stream_options")
+        with_usage = isinstance(options, dict) and options.get("include_usage") is True
+        words = request.get("max_tokens") or len(_STREAM_WORDS)
+        transport.write(_STREAM_HEAD + _STREAM_ROLE)
+        # Each event at its own time from the start, as an engine's steps come: a late wake-up
+        # (this process shares its core) delays one event, not every event after it.
+        start = asyncio.get_running_loop().time()
+        for i in range(words):
+            if gap_s:
+                await asyncio.sleep(start + (i + 1) * gap_s - asyncio.get_running_loop().time())
+            if transport.is_closing():
+                return  # the gateway went away mid-stream
+            transport.write(_STREAM_WORDS[i % len(_STREAM_WORDS)])
+        transport.write(_STREAM_END)
+        if with_usage:
+            transport.write(_STREAM_USAGE)
+        transport.write(_STREAM_DONE)
+
+
+async def _serve_upstream(port: int) -> None:
+    server = await asyncio.get_running_loop().create_server(_UpstreamProtocol, "127.0.0.1", port,
+                                                            backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def _run_loop(main: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run`` on uvloop when it is installed (the ``live`` extra brings it)."""
     try:
-        body = json.loads(b"".join(parts))
-    except ValueError:
-        await _plain(send, 400, b"bad json")
-        return
-    if body.get("stream") is not True:
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
-        await send({"type": "http.response.body", "body": WHOLE_BODY})
-        return
-    options = body.get("stream_options")
-    with_usage = isinstance(options, dict) and options.get("include_usage") is True
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-    for event in STREAM_EVENTS:
-        await send({"type": "http.response.body", "body": event, "more_body": True})
-    if with_usage:
-        await send({"type": "http.response.body", "body": USAGE_EVENT, "more_body": True})
-    await send({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})
-
-
-def _serve_upstream(port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(fast_upstream, host="127.0.0.1", port=port, log_level="warning",
-                access_log=False, lifespan="off")
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 # -- child processes ---------------------------------------------------------------------------
@@ -175,20 +289,45 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: the child gets SIGTERM if the bench process dies without cleaning up."""
+def _cpu_split() -> tuple[set[int], set[int]] | None:
+    """(the gateway's CPUs, everyone else's), or None with fewer than two CPUs to split."""
     try:
-        import ctypes
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    if len(allowed) < 2:
+        return None
+    return {allowed[GATEWAY_CPU]}, set(allowed) - {allowed[GATEWAY_CPU]}
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    def setup() -> None:  # pragma: no cover - runs in the forked child
+        # Linux: the child gets SIGTERM if the bench process dies without cleaning up.
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # not Linux/glibc: the parent's try/finally still stops the child
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        _raise_priority()
+    return setup
+
+
+def _raise_priority() -> None:
+    """Ahead of other work on the machine (where allowed: root, or CAP_SYS_NICE), so the
+    gateway's core is its own while it is measured and the load does not wait for a turn."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, BENCH_NICE)
     except (OSError, AttributeError):
-        return  # not Linux/glibc: the parent's try/finally still stops the child
+        pass  # not allowed: measured at the usual priority (stderr shows the load average)
 
 
 class _Child:
     """A server process of the benchmark: started, waited on until it answers, stopped."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path,
+    def __init__(self, name: str, argv: list[str], log_path: Path, cpus: set[int] | None,
                  stop_signal: int = signal.SIGTERM) -> None:
         self.name = name
         self.stop_signal = stop_signal
@@ -199,7 +338,7 @@ class _Child:
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=_child_setup(cpus) if sys.platform.startswith("linux") else None,
         )
 
     def log_tail(self) -> str:
@@ -228,6 +367,9 @@ class _Child:
                                        f"{READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
                 time.sleep(0.05)
 
+    def cpu_seconds(self) -> float:
+        return _cpu_seconds(self.proc.pid)
+
     def stop(self) -> None:
         """``stop_signal`` (uvicorn shuts down cleanly), SIGKILL if stuck."""
         try:
@@ -243,10 +385,17 @@ class _Child:
             self._log.close()
 
 
-def _start_upstream(workdir: Path) -> tuple[_Child, str]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far, from /proc."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start_upstream(workdir: Path, cpus: set[int] | None) -> tuple[_Child, str]:
     port = _free_port()
     child = _Child("fast upstream", [sys.executable, "-m", "bench.gateway", "upstream", str(port)],
-                   workdir / "upstream.log")
+                   workdir / "upstream.log", cpus)
     return child, f"http://127.0.0.1:{port}"
 
 
@@ -263,7 +412,7 @@ def _gateway_config(upstream_url: str, port: int) -> str:
     )
 
 
-def _start_gateway(workdir: Path, upstream_url: str, label: str,
+def _start_gateway(workdir: Path, upstream_url: str, label: str, cpus: set[int] | None,
                    profile_path: Path | None = None) -> tuple[_Child, str]:
     port = _free_port()
     config = workdir / f"{label}.yaml"
@@ -275,7 +424,7 @@ def _start_gateway(workdir: Path, upstream_url: str, label: str,
     # uvicorn re-raises the signal it stopped on once it is done: SIGTERM would then kill
     # the process before cProfile writes its file, SIGINT ends it in a KeyboardInterrupt
     # that cProfile's ``finally`` outlives.
-    child = _Child(f"gateway ({label})", argv, workdir / f"{label}.log",
+    child = _Child(f"gateway ({label})", argv, workdir / f"{label}.log", cpus,
                    signal.SIGTERM if profile_path is None else signal.SIGINT)
     return child, f"http://127.0.0.1:{port}"
 
@@ -283,220 +432,316 @@ def _start_gateway(workdir: Path, upstream_url: str, label: str,
 # -- load --------------------------------------------------------------------------------------
 
 
-def _body(stream: bool, i: int) -> bytes:
+def _request(port: int, session: str, *, stream: bool, usage: bool = True, words: int = 5,
+             gap_ms: float = 0.0) -> bytes:
+    """One pre-encoded HTTP/1.1 request (sent again and again by its closed-loop client)."""
     body: dict = {
         "model": MODEL,
         "messages": [
             {"role": "system", "content": "You are the benchmark's agent. Answer briefly."},
-            {"role": "user", "content": f"Say hello to stream {i}."},
+            {"role": "user", "content": f"Say hello to {session}."},
         ],
-        "max_tokens": 16,
+        "max_tokens": words,
     }
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    return json.dumps(body, separators=(",", ":")).encode()
+        if usage:
+            body["stream_options"] = {"include_usage": True}
+    encoded = json.dumps(body, separators=(",", ":")).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(encoded)}\r\n"
+            f"x-session-id: {session}\r\nauthorization: Bearer bench\r\n")
+    if gap_ms:
+        head += f"x-bench-gap-ms: {gap_ms}\r\n"
+    return head.encode() + b"\r\n" + encoded
 
 
-def _headers(i: int) -> dict[str, str]:
-    return {"content-type": "application/json", "x-session-id": f"bench-stream-{i:03d}",
-            "authorization": "Bearer bench"}
+class RequestFailed(Exception):
+    pass
 
 
-class _Clients:
-    """One :class:`httpx.AsyncClient` with one keep-alive connection per closed-loop client,
-    as each agent has its own: httpcore's pool scans all its connections for every request
-    it queues, so a single pool shared by 100 streams costs the load generator more than
-    the upstream's whole answer."""
+class _LoadConnection(asyncio.Protocol):
+    """One keep-alive client connection: send a request, wait for the whole response."""
 
-    def __init__(self, count: int, base_url: str) -> None:
-        import httpx
+    def __init__(self) -> None:
+        import httptools
 
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._done: asyncio.Future[tuple[int, bytes]] | None = None
+        self._body: list[bytes] = []
+        self.first_byte_at = 0.0
+
+    def connection_made(self, transport: Any) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        import httptools
+
+        if not self.first_byte_at:
+            self.first_byte_at = time.perf_counter()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self._fail(RequestFailed(f"bad response: {err}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(RequestFailed(f"connection closed: {exc}"))
+
+    def _fail(self, err: Exception) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(err)
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_result((self._parser.get_status_code(), b"".join(self._body)))
+
+    async def request(self, data: bytes) -> tuple[int, bytes]:
+        assert self._transport is not None
+        if self._transport.is_closing():
+            raise RequestFailed("connection closed")
+        self._body = []
+        self.first_byte_at = 0.0
+        self._done = asyncio.get_running_loop().create_future()
+        self._transport.write(data)
+        return await self._done
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _Load:
+    """Closed-loop clients against one target, each on its own connection."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.conns: list[_LoadConnection] = []
         self.failed = 0
         self.first_failure: str | None = None
-        self._transport_errors = (httpx.HTTPError, RuntimeError)
-        self.each = [
-            httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=30.0,
-                              limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-            for _ in range(count)
-        ]
 
-    async def __aenter__(self) -> _Clients:
-        return self
+    async def connect(self, count: int) -> None:
+        loop = asyncio.get_running_loop()
+        while len(self.conns) < count:
+            _, conn = await loop.create_connection(_LoadConnection, "127.0.0.1", self.port)
+            self.conns.append(conn)
 
-    async def __aexit__(self, *exc: object) -> None:
-        for client in self.each:
-            await client.aclose()
+    async def reconnect(self) -> None:
+        """Fresh connections: a server closes idle keep-alive ones (uvicorn after 5 s), and
+        the other path's round may have left these idle that long."""
+        count = len(self.conns)
+        self.close()
+        self.conns = []
+        await self.connect(count)
 
-    async def call(self, once, i: int, body: bytes, headers: dict[str, str]) -> bool:
-        """One request; a failure is counted (and left out of the timings), too many abort."""
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+
+    async def call(self, i: int, data: bytes, stream: bool) -> tuple[float, float] | None:
+        """One request on connection ``i``: (latency, time to first byte) in seconds, or None
+        when it failed (counted; too many abort). A failed connection is replaced."""
+        start = time.perf_counter()
         try:
-            await once(self.each[i], body, headers)
-            return True
-        except self._transport_errors as err:
+            status, body = await self.conns[i].request(data)
+            if status != 200 or (stream and not body.endswith(DONE_EVENT)):
+                raise RequestFailed(f"answered {status}: {body[-300:]!r}")
+        except RequestFailed as err:
             self.failed += 1
             if self.first_failure is None:
-                self.first_failure = f"{type(err).__name__}: {err}"
+                self.first_failure = str(err)
             if self.failed > MAX_FAILURES:
                 raise RuntimeError(f"more than {MAX_FAILURES} requests failed; the first: "
                                    f"{self.first_failure}") from err
-            return False
+            self.conns[i].close()
+            _, self.conns[i] = await asyncio.get_running_loop().create_connection(
+                _LoadConnection, "127.0.0.1", self.port)
+            return None
+        end = time.perf_counter()
+        return end - start, self.conns[i].first_byte_at - start
 
     def failures(self) -> str:
         return f"{self.failed} failed (first: {self.first_failure})" if self.failed else "none failed"
 
 
-async def _stream_once(client, body: bytes, headers: dict[str, str]) -> bytes:
-    async with client.stream("POST", "/v1/chat/completions", content=body, headers=headers) as r:
-        tail = b""
-        async for chunk in r.aiter_raw():
-            tail = (tail + chunk)[-64:]
-        if r.status_code != 200 or not tail.endswith(DONE_EVENT):
-            raise RuntimeError(f"stream answered {r.status_code}, ending {tail!r}")
-    return tail
-
-
-async def _whole_once(client, body: bytes, headers: dict[str, str]) -> bytes:
-    r = await client.post("/v1/chat/completions", content=body, headers=headers)
-    if r.status_code != 200:
-        raise RuntimeError(f"request answered {r.status_code}: {r.text[:300]}")
-    return r.content
-
-
-async def _round(clients: _Clients, stream: bool, concurrency: int, requests: int) -> list[float]:
-    """``requests`` calls from ``concurrency`` closed-loop clients; each call's latency (s)."""
-    latencies: list[float] = []
-    left = requests
-    once = _stream_once if stream else _whole_once
-    clock = time.perf_counter
-
-    async def loop(i: int) -> None:
-        nonlocal left
-        body, headers = _body(stream, i), _headers(i)
-        while left > 0:
-            left -= 1
-            start = clock()
-            if await clients.call(once, i, body, headers):
-                latencies.append(clock() - start)
-
-    async with asyncio.TaskGroup() as tg:
-        for i in range(concurrency):
-            tg.create_task(loop(i))
-    return latencies
-
-
-async def _timed_window(clients: _Clients, concurrency: int, warmup_s: float, window_s: float) -> float:
-    """Non-streaming closed loop: completed requests per second inside the window."""
+async def _window(load: _Load, requests: list[bytes], stream: bool, warmup_s: float, window_s: float,
+                  meter: Callable[[], float] | None) -> tuple[float, float | None]:
+    """Closed loop, one client per request in ``requests``: (completed per second inside the
+    window, ``meter``'s CPU seconds per completed request inside it)."""
+    await load.connect(len(requests))
+    await load.reconnect()
     counting = False
-    done = 0
     stop = False
+    done = 0
 
     async def loop(i: int) -> None:
         nonlocal done
-        body, headers = _body(False, i), _headers(i)
         while not stop:
-            if await clients.call(_whole_once, i, body, headers) and counting:
+            if await load.call(i, requests[i], stream) is not None and counting:
                 done += 1
 
     async with asyncio.TaskGroup() as tg:
-        for i in range(concurrency):
+        for i in range(len(requests)):
             tg.create_task(loop(i))
         await asyncio.sleep(warmup_s)
+        cpu_before = meter() if meter else 0.0
         counting, start = True, time.perf_counter()
         await asyncio.sleep(window_s)
         counting, elapsed = False, time.perf_counter() - start
+        cpu = (meter() - cpu_before) / done if meter and done else None
         stop = True
-    return done / elapsed
+    return done / elapsed, cpu
+
+
+async def _rounds(load: _Load, requests: list[bytes], count: int, think_s: float,
+                  seed: int) -> list[tuple[float, float]]:
+    """``count`` streams from ``len(requests)`` closed-loop clients, each waiting a random
+    time in [0, 2 ``think_s``] before each request: (latency, ttfb) of each stream. Each
+    client's first stream of the round is not timed: it opens the connections (the load
+    generator's, and the gateway's to the upstream, whose idle ones expired while the other
+    path's round ran) — a cost of the round's start, not of a call."""
+    await load.connect(len(requests))
+    await load.reconnect()
+    timings: list[tuple[float, float]] = []
+    left = count
+    rng = random.Random(seed)
+
+    async def loop(i: int) -> None:
+        nonlocal left
+        await load.call(i, requests[i], True)
+        while left > 0:
+            left -= 1
+            await asyncio.sleep(rng.uniform(0, 2 * think_s))
+            timing = await load.call(i, requests[i], True)
+            if timing is not None:
+                timings.append(timing)
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(len(requests)):
+            tg.create_task(loop(i))
+    return timings
 
 
 def _ms(values: list[float], q: float) -> float:
     return percentile(values, q) * 1e3
 
 
-def _cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
-    if pid is None:
-        times = os.times()
-        return times.user + times.system
+# -- the phases --------------------------------------------------------------------------------
+
+
+async def _throughput(upstream_port: int, gateway_port: int, gateway: _Child, warmup_s: float,
+                      window_s: float) -> tuple[float, float]:
+    def requests(port: int) -> list[bytes]:
+        return [_request(port, f"bench-whole-{i:03d}", stream=False)
+                for i in range(THROUGHPUT_CLIENTS)]
+
+    via = _Load(gateway_port)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+        rate, cpu = await _window(via, requests(gateway_port), False, warmup_s, window_s,
+                                  gateway.cpu_seconds)
+    finally:
+        via.close()
+    direct = _Load(upstream_port)
+    try:
+        ceiling, _ = await _window(direct, requests(upstream_port), False, warmup_s / 2,
+                                   window_s / 2, None)
+    finally:
+        direct.close()
+    assert cpu is not None
+    progress(f"gateway: non-streaming at c={THROUGHPUT_CLIENTS}: {rate:,.0f} req/s via the gateway "
+             f"({cpu * 1e6:,.0f} us gateway CPU per request; {via.failures()}), {ceiling:,.0f} req/s "
+             f"direct (the upstream + load generator ceiling on their core)")
+    return rate, cpu
 
 
-class _CpuMeter:
-    """CPU seconds each process spent per request, summed over the rounds of each path."""
-
-    def __init__(self, pids: dict[str, int | None]) -> None:
-        self.pids = pids
-        self.spent: dict[tuple[str, str], float] = {}
-        self.requests: dict[str, int] = {}
-
-    def snapshot(self) -> dict[str, float | None]:
-        return {name: _cpu_seconds(pid) for name, pid in self.pids.items()}
-
-    def add(self, path: str, before: dict[str, float | None], requests: int) -> None:
-        after = self.snapshot()
-        self.requests[path] = self.requests.get(path, 0) + requests
-        for name, start in before.items():
-            end = after[name]
-            if start is not None and end is not None:
-                self.spent[path, name] = self.spent.get((path, name), 0.0) + end - start
-
-    def describe(self, path: str) -> str:
-        n = self.requests.get(path, 0)
-        parts = [f"{name} {self.spent[path, name] / n * 1e3:.2f}"
-                 for name in self.pids if (path, name) in self.spent and n]
-        return ", ".join(parts) + " ms CPU per request" if parts else "CPU not measured"
+async def _per_chunk(gateway_port: int, gateway: _Child, warmup_s: float, window_s: float) -> float:
+    per_stream = {}
+    for words in (SHORT_EVENTS, LONG_EVENTS):
+        load = _Load(gateway_port)
+        try:
+            requests = [_request(gateway_port, f"bench-chunks-{words}-{i:03d}", stream=True,
+                                 usage=False, words=words, gap_ms=CHUNK_GAP_MS)
+                        for i in range(CHUNK_STREAMS)]
+            rate, cpu = await _window(load, requests, True, warmup_s, window_s, gateway.cpu_seconds)
+        finally:
+            load.close()
+        assert cpu is not None
+        per_stream[words] = cpu
+        progress(f"gateway: streams of {words} content chunks {CHUNK_GAP_MS:g} ms apart at "
+                 f"c={CHUNK_STREAMS}: {rate:,.0f} streams/s, {cpu * 1e6:,.0f} us gateway CPU per "
+                 f"stream ({load.failures()})")
+    per_chunk = (per_stream[LONG_EVENTS] - per_stream[SHORT_EVENTS]) / (LONG_EVENTS - SHORT_EVENTS)
+    progress(f"gateway: {per_chunk * 1e6:.1f} us gateway CPU per relayed chunk (the difference over "
+             f"{LONG_EVENTS - SHORT_EVENTS} chunks)")
+    return per_chunk
 
 
-async def _overhead(direct_url: str, via_url: str, concurrency: int, rounds: int,
-                    per_round: int, meter: _CpuMeter, deadline: float) -> dict[str, list[float]]:
-    """Alternating direct/via rounds; stops early (after at least two) past ``deadline``."""
-    samples: dict[str, list[float]] = {"direct": [], "via": []}
-    async with _Clients(concurrency, direct_url) as direct, _Clients(concurrency, via_url) as via:
-        clients = {"direct": direct, "via": via}
+async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, rounds: int,
+                    per_round: int, deadline: float) -> tuple[float, float]:
+    def requests(port: int) -> list[bytes]:
+        return [_request(port, f"bench-stream-{i:03d}", stream=True, words=OVERHEAD_EVENTS,
+                         gap_ms=OVERHEAD_GAP_MS) for i in range(STREAMS)]
+
+    loads = {"direct": _Load(upstream_port), "via": _Load(gateway_port)}
+    reqs = {"direct": requests(upstream_port), "via": requests(gateway_port)}
+    samples: dict[str, list[tuple[float, float]]] = {"direct": [], "via": []}
+    try:
         same = []
-        for pool in (direct, via):
-            async with pool.each[0].stream("POST", "/v1/chat/completions", content=_body(True, 0),
-                                           headers=_headers(0)) as r:
-                same.append(await r.aread())
+        for name, load in loads.items():
+            await load.connect(1)
+            same.append(await load.conns[0].request(reqs[name][0]))
         if same[0] != same[1]:
             raise RuntimeError(f"the gateway changed the stream: {same[0]!r} vs {same[1]!r}")
+        think_s = OVERHEAD_THINK_MS / 1e3
         for name in ("direct", "via"):  # warm-up: connections, programs, code paths
-            await _round(clients[name], True, concurrency, max(per_round // 2, 2 * concurrency))
+            await _rounds(loads[name], reqs[name], STREAMS, think_s, seed=0)
         for r in range(rounds):
             if r >= 2 and time.perf_counter() > deadline:
-                progress(f"gateway: c={concurrency}: stopping after {r} rounds (time budget)")
+                progress(f"gateway: c={STREAMS}: stopping after {r} rounds (time budget)")
                 break
             for name in (("direct", "via") if r % 2 == 0 else ("via", "direct")):
-                started, cpu = time.perf_counter(), meter.snapshot()
-                lat = await _round(clients[name], True, concurrency, per_round)
-                meter.add(name, cpu, len(lat))
-                samples[name] += lat
-                progress(f"gateway: c={concurrency} round {r + 1}/{rounds} {name:6s} "
+                started, cpu = time.perf_counter(), gateway.cpu_seconds()
+                # the same think times on both paths (seeded by round)
+                timings = await _rounds(loads[name], reqs[name], per_round, think_s, seed=r + 1)
+                busy = (gateway.cpu_seconds() - cpu) / (time.perf_counter() - started)
+                samples[name] += timings
+                lat = [t[0] for t in timings]
+                progress(f"gateway: c={STREAMS} round {r + 1}/{rounds} {name:6s} "
                          f"p50 {_ms(lat, 50):8.2f} ms  p99 {_ms(lat, 99):8.2f} ms  "
-                         f"({len(lat) / (time.perf_counter() - started):,.0f} streams/s)")
-        for name, pool in clients.items():
-            if pool.failed:
-                progress(f"gateway: c={concurrency} {name}: {pool.failures()}")
-    return samples
+                         f"(gateway {100 * busy:.0f} % busy)")
+        for name, load in loads.items():
+            if load.failed:
+                progress(f"gateway: c={STREAMS} {name}: {load.failures()}")
+    finally:
+        for load in loads.values():
+            load.close()
+    direct = [t[0] for t in samples["direct"]]
+    via = [t[0] for t in samples["via"]]
+    p50, p99 = (_ms(via, q) - _ms(direct, q) for q in (50, 99))
+    ttfb = [_ms([t[1] for t in samples["via"]], 50) - _ms([t[1] for t in samples["direct"]], 50)]
+    progress(f"gateway: {STREAMS} streams of {OVERHEAD_EVENTS} chunks {OVERHEAD_GAP_MS:g} ms apart "
+             f"(think time {OVERHEAD_THINK_MS:g} ms on average), "
+             f"{len(direct)} + {len(via)} streams: direct p50 {_ms(direct, 50):.3f} / p99 "
+             f"{_ms(direct, 99):.3f} ms, via p50 {_ms(via, 50):.3f} / p99 {_ms(via, 99):.3f} ms -> "
+             f"overhead p50 {p50:.3f} / p99 {p99:.3f} ms (time to first byte: p50 +{ttfb[0]:.3f} ms)")
+    return p50, p99
 
 
-async def _throughput(url: str, clients: int, warmup_s: float, window_s: float) -> float:
-    async with _Clients(clients, url) as pool:
-        rate = await _timed_window(pool, clients, warmup_s, window_s)
-        if pool.failed:
-            progress(f"gateway: non-streaming to {url}: {pool.failures()}")
-        return rate
-
-
-async def _profile_load(via_url: str, per_round: int, window_s: float) -> None:
-    async with _Clients(max(STREAMS, THROUGHPUT_CLIENTS), via_url) as via:
-        await _round(via, True, STREAMS, per_round)
-        await _timed_window(via, THROUGHPUT_CLIENTS, 0.5, window_s)
+async def _profile_load(gateway_port: int, window_s: float) -> None:
+    whole = _Load(gateway_port)
+    streams = _Load(gateway_port)
+    try:
+        await _window(whole, [_request(gateway_port, f"bench-whole-{i:03d}", stream=False)
+                              for i in range(THROUGHPUT_CLIENTS)], False, 0.5, window_s, None)
+        await _window(streams, [_request(gateway_port, f"bench-chunks-{i:03d}", stream=True,
+                                         usage=False, words=50, gap_ms=CHUNK_GAP_MS)
+                                for i in range(CHUNK_STREAMS)], True, 0.5, window_s, None)
+    finally:
+        whole.close()
+        streams.close()
 
 
 def _print_profile(path: Path) -> None:
@@ -505,19 +750,10 @@ def _print_profile(path: Path) -> None:
 
     out = io.StringIO()
     stats = pstats.Stats(str(path), stream=out)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(50)
-    progress("gateway: cProfile of the gateway process (streaming + non-streaming load):")
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    progress("gateway: cProfile of the gateway process (non-streaming + streaming load):")
     print(out.getvalue(), file=sys.stderr, flush=True)
-
-
-def _report(label: str, samples: dict[str, list[float]]) -> tuple[float, float]:
-    direct, via = samples["direct"], samples["via"]
-    overhead = tuple(_ms(via, q) - _ms(direct, q) for q in (50, 99))
-    progress(f"gateway: {label}, {len(direct)} + {len(via)} streams: direct p50 "
-             f"{_ms(direct, 50):.3f} / p99 {_ms(direct, 99):.3f} ms, via p50 {_ms(via, 50):.3f} / "
-             f"p99 {_ms(via, 99):.3f} ms -> overhead p50 {overhead[0]:.3f} / p99 {overhead[1]:.3f} ms")
-    return overhead
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -527,7 +763,7 @@ def _report(label: str, samples: dict[str, list[float]]) -> tuple[float, float]:
 def _sigterm_exits():
     """While the benchmark runs, SIGTERM unwinds it like Ctrl-C does, so the children are
     stopped and the temporary directory removed (SIGKILL: the children get SIGTERM from the
-    kernel, see :func:`_die_with_parent`)."""
+    kernel, see :func:`_child_setup`)."""
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
@@ -542,80 +778,89 @@ def _sigterm_exits():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _report_log_problems(log_path: Path) -> None:
+    """Warnings and errors the gateway logged during the run (none expected)."""
+    problems = [line for line in log_path.read_text("utf-8", "replace").splitlines()
+                if '"level": "warning"' in line or '"level": "error"' in line
+                or "Traceback" in line]
+    if problems:
+        progress(f"gateway: the gateway logged {len(problems)} warnings/errors; the first: {problems[0]}")
+    else:
+        progress("gateway: no warnings or errors in the gateway's log")
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
 def run(*, quick: bool = False, profile: bool = False) -> dict[str, float]:
-    rounds, per_round = (2, 300) if quick else (5, 500)
-    solo_rounds, solo_per_round = (2, 50) if quick else (4, 100)
     warmup_s, window_s = (0.5, 2.0) if quick else (1.5, 6.0)
-    overhead_budget_s = 20.0 if quick else 40.0
+    rounds, per_round = (2, 200) if quick else (4, 500)
+    overhead_budget_s = 20.0 if quick else 60.0
     numbers: dict[str, float] = {}
     children: list[_Child] = []
     started = time.perf_counter()
+    split = _cpu_split()
+    gateway_cpus, other_cpus = split if split is not None else (None, None)
     with _sigterm_exits(), tempfile.TemporaryDirectory(prefix="sluice-bench-gateway-") as tmp:
         workdir = Path(tmp)
+        previous_affinity = os.sched_getaffinity(0) if other_cpus is not None else None
         try:
-            upstream, upstream_url = _start_upstream(workdir)
+            _raise_priority()
+            if other_cpus is not None:
+                os.sched_setaffinity(0, other_cpus)
+            else:
+                progress("gateway: fewer than two CPUs: nothing pinned (the gateway shares its core)")
+            upstream, upstream_url = _start_upstream(workdir, other_cpus)
             children.append(upstream)
-            gateway, gateway_url = _start_gateway(workdir, upstream_url, "gateway")
+            gateway, gateway_url = _start_gateway(workdir, upstream_url, "gateway", gateway_cpus)
             children.append(gateway)
             upstream.wait_ready(upstream_url + "/health")
             gateway.wait_ready(gateway_url + "/health")
-            progress(f"gateway: upstream {upstream_url}, gateway {gateway_url} "
-                     f"(pids {upstream.proc.pid}, {gateway.proc.pid}); up to {rounds} rounds x "
-                     f"{per_round} streams per path at c={STREAMS}")
-            pids = {"gateway": gateway.proc.pid, "upstream": upstream.proc.pid, "load generator": None}
+            progress(f"gateway: upstream {upstream_url}, gateway {gateway_url} (pids "
+                     f"{upstream.proc.pid}, {gateway.proc.pid}); gateway on CPUs "
+                     f"{sorted(gateway_cpus or [])}, upstream and load on {sorted(other_cpus or [])}")
+            up_port, gw_port = _port(upstream_url), _port(gateway_url)
 
-            meter = _CpuMeter(pids)
-            samples = asyncio.run(_overhead(upstream_url, gateway_url, STREAMS, rounds, per_round,
-                                            meter, time.perf_counter() + overhead_budget_s))
-            numbers["p50"], numbers["p99"] = _report(f"c={STREAMS}", samples)
-            progress(f"gateway: c={STREAMS} direct: {meter.describe('direct')}")
-            progress(f"gateway: c={STREAMS} via:    {meter.describe('via')}")
-
-            solo_meter = _CpuMeter(pids)
-            solo = asyncio.run(_overhead(upstream_url, gateway_url, 1, solo_rounds, solo_per_round,
-                                         solo_meter, time.perf_counter() + 10.0))
-            _report("one stream at a time (c=1, for comparison)", solo)
-            progress(f"gateway: c=1 via: {solo_meter.describe('via')}")
-
-            cpu = _cpu_seconds(gateway.proc.pid)
-            via_rps = asyncio.run(_throughput(gateway_url, THROUGHPUT_CLIENTS, warmup_s, window_s))
-            cpu_after = _cpu_seconds(gateway.proc.pid)
-            direct_rps = asyncio.run(_throughput(upstream_url, THROUGHPUT_CLIENTS, warmup_s / 2,
-                                                 window_s / 2))
-            numbers["req_per_s"] = via_rps
-            busy = (f"; the gateway process was {100 * (cpu_after - cpu) / (warmup_s + window_s):.0f} % "
-                    "busy" if cpu is not None and cpu_after is not None else "")
-            progress(f"gateway: non-streaming at c={THROUGHPUT_CLIENTS}: {via_rps:,.0f} req/s via the "
-                     f"gateway, {direct_rps:,.0f} req/s direct (the upstream + load generator "
-                     f"ceiling){busy}")
+            numbers["req_per_s"], numbers["cpu_per_request"] = _run_loop(
+                _throughput(up_port, gw_port, gateway, warmup_s, window_s))
+            numbers["cpu_per_chunk"] = _run_loop(_per_chunk(gw_port, gateway, warmup_s, window_s))
+            numbers["p50"], numbers["p99"] = _run_loop(_overhead(
+                up_port, gw_port, gateway, rounds, per_round,
+                time.perf_counter() + overhead_budget_s))
             gateway.stop()
             children.remove(gateway)
+            _report_log_problems(gateway.log_path)
 
             if profile:
                 prof_path = workdir / "gateway.prof"
-                profiled, profiled_url = _start_gateway(workdir, upstream_url, "profiled", prof_path)
+                profiled, profiled_url = _start_gateway(workdir, upstream_url, "profiled",
+                                                        gateway_cpus, prof_path)
                 children.append(profiled)
                 profiled.wait_ready(profiled_url + "/health")
-                asyncio.run(_profile_load(profiled_url, rounds * per_round // 2, window_s))
+                _run_loop(_profile_load(_port(profiled_url), window_s))
                 profiled.stop()
                 children.remove(profiled)
                 _print_profile(prof_path)
         finally:
             for child in reversed(children):
                 child.stop()
+            if previous_affinity is not None:
+                os.sched_setaffinity(0, previous_affinity)
+    result("gateway_cpu_us_per_request", numbers["cpu_per_request"] * 1e6, "us")
+    result("gateway_req_per_s", numbers["req_per_s"], "req/s")
+    result("gateway_cpu_us_per_chunk", numbers["cpu_per_chunk"] * 1e6, "us")
     result("gateway_overhead_p50_ms", numbers["p50"], "ms")
     result("gateway_overhead_p99_ms", numbers["p99"], "ms")
-    result("gateway_req_per_s", numbers["req_per_s"], "req/s")
     progress(f"gateway: took {time.perf_counter() - started:.1f} s; load average "
-             f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (the three processes share them "
-             "with whatever else runs)")
+             f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     return numbers
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "upstream":
         with contextlib.suppress(KeyboardInterrupt):
-            _serve_upstream(int(sys.argv[2]))
+            _run_loop(_serve_upstream(int(sys.argv[2])))
     else:
         sys.exit("usage: python -m bench.gateway upstream PORT (the benchmark itself: "
                  "python -m bench --only gateway)")

@@ -28,17 +28,19 @@ session's home worker when the session is a known program) without the policy he
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+import itertools
 import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import anyio
-import httpx
 import msgspec
 import structlog
 from starlette.applications import Starlette
@@ -64,12 +66,14 @@ from controller.errors import (
 from controller.identity import ROUTE_MESSAGES, ROUTES, Identity, IdentityError, resolve_identity
 from controller.model_catalog import ModelCatalog
 from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
+from controller.relay_client import RelayResponse, TransportError
 from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import (
     StreamTap,
     UpstreamPool,
     UsageCounts,
+    WorkerUnreachable,
     decode_json,
     find_response_id,
     find_usage,
@@ -108,6 +112,24 @@ def make_logger(level: str = "info", stream: IO[str] | None = None) -> Any:
         ],
         logger_name="sluice.gateway",
     )
+
+
+class CallLines:
+    """The per-call ``info`` lines, written straight to the log's stream: the same JSON object
+    :func:`make_logger`'s processors make (``logger_name``, the fields, ``event``, ``level``,
+    ``timestamp``), encoded by msgspec at a fraction of structlog's cost per line."""
+
+    def __init__(self, level: str, stream: IO[str]) -> None:
+        self.enabled = _LEVELS[level] <= _LEVELS["info"]
+        self._stream = stream
+
+    def info(self, event: str, fields: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = {"logger_name": "sluice.gateway", **fields, "event": event, "level": "info",
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")}
+        self._stream.write(_encode(line).decode() + "\n")
+        self._stream.flush()
 
 
 class ResponseSessions:
@@ -151,6 +173,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
                log_stream: IO[str] | None = None) -> Starlette:
     """Build the gateway for ``config``. ``clock`` is the policy's (monotonic) time;
     ``wall_clock`` stamps request records and worker checks."""
+    log_stream = log_stream if log_stream is not None else sys.stderr
     log = make_logger(config.log_level, log_stream)
     policy = make_policy(config.policy)
     for worker in config.workers:
@@ -170,7 +193,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
                   ResponseSessions(), log, ModelCatalog(config, pool, workers, log), kv_events,
                   Drain(config.shutdown_grace_s))
-    gateway = _Gateway(parts, clock, wall_clock)
+    gateway = _Gateway(parts, clock, wall_clock, CallLines(config.log_level, log_stream))
     admin = AdminApi(config.resolved_admin_token(), admission, workers, reloader, clock)
 
     @asynccontextmanager
@@ -197,7 +220,9 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
             parts.drain.close()
             log.info("gateway stopped")
 
-    routes = [Route(path, gateway.proxy, methods=["POST"]) for path in sorted(ROUTES)]
+    # Reached through Starlette's router only when the app is mounted under another one:
+    # the app itself sends these POSTs straight to the relay (_SluiceApp).
+    routes = [Route(path, _RelayEndpoint(gateway), methods=["POST"]) for path in sorted(ROUTES)]
     routes += [
         Route(ROUTE_COUNT_TOKENS, gateway.count_tokens, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
@@ -220,7 +245,8 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         log.error("unhandled error", path=request.url.path, exc_info=exc)
         return error_response(500, "internal error in the gateway", INTERNAL, path=request.url.path)
 
-    app = Starlette(
+    app = _SluiceApp(
+        gateway,
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
@@ -229,59 +255,152 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     return app
 
 
+class _SluiceApp(Starlette):
+    """Starlette, with the proxied routes' POSTs taken before its middleware and router:
+    on the relay path those cost more than the rest of a call's bookkeeping, and the relay
+    answers its own errors (in the route's API shape) and logs its own failures."""
+
+    def __init__(self, gateway: _Gateway, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._relay = gateway.relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTES:
+            await self._relay(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+class _RelayEndpoint:
+    """The relay as a raw ASGI endpoint of a Starlette route."""
+
+    def __init__(self, gateway: _Gateway) -> None:
+        self._gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._gateway.relay(scope, receive, send)
+
+
+class _HeaderMap(dict):
+    """A request's headers, lower-case ``str`` names (as ASGI gives them) to ``str`` values,
+    the first of a repeated name kept (as Starlette's ``Headers.get`` does). Not a plain
+    ``dict``, so :func:`resolve_identity` takes its names as lower-cased already."""
+
+
+def _header_map(raw: list[tuple[bytes, bytes]]) -> _HeaderMap:
+    headers = _HeaderMap()
+    for name, value in raw:
+        key = name.decode("latin-1")
+        if key not in headers:
+            headers[key] = value.decode("latin-1")
+    return headers
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was read."""
+
+
 class _Gateway:
-    def __init__(self, parts: Parts, clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
+    def __init__(self, parts: Parts, clock: Callable[[], float], wall_clock: Callable[[], float],
+                 call_lines: CallLines) -> None:
         self.parts = parts
+        self.call_lines = call_lines
         self.config = parts.config
         self.clock = clock
         self.wall = wall_clock
         self.log = parts.log
         self.forwarded_client_keys = frozenset(parts.config.forward_client_keys)
+        # Request ids: a random prefix per app and a counter (uuid4 per call costs more
+        # than the rest of the id's uses together).
+        self._id_prefix = f"sluice-{uuid.uuid4().hex[:12]}-"
+        self._ids = itertools.count(1)
+        self._request_counters: dict[tuple[str, int], Any] = {}
+        self._upstream_histograms: dict[tuple[str, bool], tuple[Any, Any]] = {}
+
+    def count_request(self, route: str, status: int) -> None:
+        """``sluice_requests{route, status}`` + 1 (the labelled child looked up once)."""
+        key = (route, status)
+        counter = self._request_counters.get(key)
+        if counter is None:
+            counter = self._request_counters[key] = self.parts.metrics.requests.labels(route, str(status))
+        counter.inc()
+
+    def observe_upstream(self, worker: str, stream: bool, total_s: float,
+                         first_byte_s: float | None) -> None:
+        """The upstream latency histograms (their labelled children looked up once)."""
+        key = (worker, stream)
+        children = self._upstream_histograms.get(key)
+        if children is None:
+            metrics = self.parts.metrics
+            children = self._upstream_histograms[key] = (
+                metrics.upstream_seconds.labels(worker, "true" if stream else "false"),
+                metrics.ttft_seconds.labels(worker))
+        children[0].observe(total_s)
+        if first_byte_s is not None:
+            children[1].observe(first_byte_s)
 
     # -- the proxied routes -----------------------------------------------------------
 
-    async def proxy(self, request: Request) -> Response:
+    async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One proxied call, as a raw ASGI app (POST on one of :data:`ROUTES`)."""
         received, received_wall = self.clock(), self.wall()
-        route = request.url.path
+        route = scope["path"]
         try:
-            body_bytes = await self._read_body(request)
-            body = self._parse(body_bytes)
+            headers = _header_map(scope["headers"])
             try:
-                identity, forward = resolve_identity(route, request.headers, body,
-                                                     self.parts.responses.get)
-                strip_client_engine_keys(forward, self.forwarded_client_keys)
-                stream = forward.get("stream") is True
-                drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
-                content = _encode(forward)
-            except RecursionError:
-                # A body that decoded just under the interpreter's limit can still be too
-                # deep to walk (identity's canonical JSON) or to encode again.
-                raise _too_deep() from None
-        except (GatewayError, IdentityError) as err:
-            return self._refuse(route, err)
-        unknown = await self._unknown_model(identity.model)
-        if unknown is not None:
-            self.parts.metrics.requests.labels(route, "404").inc()
-            return unknown.response(path=route)
-        request_id = f"sluice-{uuid.uuid4().hex}"
-        call = CallRequest(
-            request_id=request_id,
-            session_id=identity.session_id,
-            prompt_tokens=identity.prompt_tokens,
-            max_output_tokens=_max_output(forward),
-            parent_session_id=identity.parent_session_id,
-            chain=identity.chain,
-            chain_tokens=identity.chain_tokens,
-            final=identity.final,
-        )
-        return _ProxyCall(self, route, request, call, identity, content, stream,
-                          drop_usage, received, received_wall)
+                body_bytes = await self._read_body_from(receive, headers)
+                body = self._parse(body_bytes)
+                try:
+                    identity, forward = resolve_identity(route, headers, body,
+                                                         self.parts.responses.get)
+                    strip_client_engine_keys(forward, self.forwarded_client_keys)
+                    stream = forward.get("stream") is True
+                    drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
+                    content = _encode(forward)
+                except RecursionError:
+                    # A body that decoded just under the interpreter's limit can still be too
+                    # deep to walk (identity's canonical JSON) or to encode again.
+                    raise _too_deep() from None
+            except (GatewayError, IdentityError) as err:
+                await self._refuse(route, err)(scope, receive, send)
+                return
+            except _ClientGone:
+                self.count_request(route, 499)
+                self.log.info("client disconnected", stage="upload", route=route)
+                return
+            unknown = await self._unknown_model(identity.model)
+            if unknown is not None:
+                self.count_request(route, 404)
+                await unknown.response(path=route)(scope, receive, send)
+                return
+            call = CallRequest(
+                request_id=f"{self._id_prefix}{next(self._ids)}",
+                session_id=identity.session_id,
+                prompt_tokens=identity.prompt_tokens,
+                max_output_tokens=_max_output(forward),
+                parent_session_id=identity.parent_session_id,
+                chain=identity.chain,
+                chain_tokens=identity.chain_tokens,
+                final=identity.final,
+            )
+        except Exception as exc:
+            # What Starlette's error middleware does for the other routes: nothing was sent yet.
+            self.log.error("unhandled error", path=route, exc_info=exc)
+            await error_response(500, "internal error in the gateway", INTERNAL,
+                                 path=route)(scope, receive, send)
+            return
+        query = scope.get("query_string")
+        path = scope.get("raw_path") or route.encode()
+        if query:
+            path += b"?" + query
+        await _ProxyCall(self, route, path, scope["headers"], call, identity, content, stream,
+                         drop_usage, received, received_wall)(receive, send)
 
     def _refuse(self, route: str, err: GatewayError | IdentityError) -> Response:
         """The gateway's own answer to a request it will not forward, counted by status."""
         if isinstance(err, IdentityError):
             err = GatewayError(400, str(err), INVALID_REQUEST, param=err.source)
-        self.parts.metrics.requests.labels(route, str(err.status)).inc()
+        self.count_request(route, err.status)
         return err.response(path=route)
 
     async def _unknown_model(self, model: str | None) -> GatewayError | None:
@@ -313,19 +432,18 @@ class _Gateway:
             if worker is None:
                 raise GatewayError(503, "no healthy worker: every worker fails its health checks",
                                    UNAVAILABLE)
-            path = route + (f"?{request.url.query}" if request.url.query else "")
+            path = route.encode() + (b"?" + request.url.query.encode() if request.url.query else b"")
             headers = forward_headers(request.headers.raw, identity.session_id)
-            response = await open_upstream(self.parts.pool.client(worker), worker, path,
-                                           content, headers)
+            response = await open_upstream(self.parts.pool, worker, path, content, headers)
             try:
                 answer = await response.aread()
-            except httpx.HTTPError as err:
+            except TransportError as err:
                 raise transport_error(worker, err, mid_stream=True) from None
             finally:
                 await response.aclose()
         except (GatewayError, IdentityError) as err:
             return self._refuse(route, err)
-        self.parts.metrics.requests.labels(route, str(response.status_code)).inc()
+        self.count_request(route, response.status_code)
         if response.status_code == 404:
             # vLLM's OpenAI server may not have the route; its 404 body is not Anthropic's.
             return error_response(404, f"worker {worker} does not serve {route}", NOT_FOUND,
@@ -346,6 +464,45 @@ class _Gateway:
         if program is not None and program.home_worker in healthy:
             return program.home_worker
         return healthy[0]
+
+    async def _read_body_from(self, receive: Receive, headers: Mapping[str, str]) -> bytes:
+        """The request body straight off ASGI ``receive`` (the relay's path; same limits)."""
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length")
+        first = await receive()
+        if first["type"] == "http.disconnect":
+            raise _ClientGone()
+        body = first.get("body", b"")
+        if not first.get("more_body", False) and len(body) <= limit:
+            return body  # the usual case: the whole body in one message
+        too_large = GatewayError(413, f"request body is over the limit of {limit} bytes",
+                                 TOO_LARGE)
+
+        async def rest() -> AsyncIterator[bytes]:
+            more = first.get("more_body", False)
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _ClientGone()
+                more = message.get("more_body", False)
+                yield message.get("body", b"")
+
+        chunks = rest()
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _drain(chunks, int(declared))
+            raise too_large
+        parts = [body]
+        size = len(body)
+        if size > limit:
+            await _drain(chunks, size)
+            raise too_large
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                await _drain(chunks, size)
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -429,17 +586,22 @@ def _max_output(body: dict) -> int | None:
     return None
 
 
-class _ProxyCall(Response):
-    """The rest of one call, run as the ASGI response so it can watch for the client going
-    away the whole time: while held, while the worker computes, while streaming."""
+class _ProxyCall:
+    """The rest of one call, run so it can watch for the client going away the whole time:
+    while held, while the worker computes, while streaming."""
 
-    def __init__(self, gateway: _Gateway, route: str, request: Request, call: CallRequest,
-                 identity: Identity, content: bytes, stream: bool, drop_usage: bool,
-                 received: float, received_wall: float) -> None:
+    __slots__ = ("g", "route", "path", "raw_headers_in", "call", "identity", "content", "stream",
+                 "drop_usage", "received", "received_wall", "admitted", "accounted", "finished",
+                 "started", "status", "sent_upstream_at", "first_byte_at", "_send")
+
+    def __init__(self, gateway: _Gateway, route: str, path: bytes,
+                 raw_headers: list[tuple[bytes, bytes]], call: CallRequest, identity: Identity,
+                 content: bytes, stream: bool, drop_usage: bool, received: float,
+                 received_wall: float) -> None:
         self.g = gateway
         self.route = route
-        self.path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        self.raw_headers_in = request.headers.raw
+        self.path = path
+        self.raw_headers_in = raw_headers
         self.call = call
         self.identity = identity
         self.content = content
@@ -456,29 +618,33 @@ class _ProxyCall(Response):
         self.first_byte_at: float | None = None
         self._send: Send | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, receive: Receive, send: Send) -> None:
         self._send = send
-        async with anyio.create_task_group() as tg:
-
-            async def watch_disconnect() -> None:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        if not self.finished:
-                            tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch_disconnect)
+        # One cancel scope and one plain task watching ``receive`` (an anyio task group per
+        # call cost ~140 us): the scope's shields still protect the policy's bookkeeping.
+        with anyio.CancelScope() as scope:
+            watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, scope))
             try:
                 await self._run()
             finally:
-                tg.cancel_scope.cancel()
+                if not watcher.done():
+                    watcher.cancel()
         if not self.finished:
-            self.g.parts.metrics.requests.labels(self.route, "499").inc()
+            self.g.count_request(self.route, 499)
             self.g.log.info("client disconnected", request_id=self.call.request_id,
                             session_id=self.call.session_id,
                             stage="held" if self.admitted is None else
                             ("streaming" if self.started else "upstream"))
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        # The body was read already: what comes now is the disconnect (uvicorn also sends it
+        # once the response is complete, which ends this task).
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.finished:
+                    scope.cancel()
+                return
 
     # -- the call ---------------------------------------------------------------------
 
@@ -503,13 +669,23 @@ class _ProxyCall(Response):
         if self.admitted.held_s > 0:
             parts.metrics.hold_seconds.observe(self.admitted.held_s)
         worker = self.admitted.worker
-        response: httpx.Response | None = None
+        response: RelayResponse | None = None
         try:
             headers = forward_headers(self.raw_headers_in, self.call.session_id)
             self.sent_upstream_at = self.g.clock()
             try:
-                response = await open_upstream(parts.pool.client(worker), worker, self.path,
-                                               self.content, headers)
+                response = await open_upstream(parts.pool, worker, self.path, self.content, headers)
+            except WorkerUnreachable as err:
+                # RE-PLACEMENT GOES HERE. The call was never sent (``err.worker`` refused or
+                # did not accept the connection): instead of answering the client, the call
+                # should go back to admission to be placed on another worker, and the worker
+                # marked down now. Until that is wired, it fails like any transport error.
+                await self._account(None)
+                self.g.log.warning("worker unreachable", request_id=self.call.request_id,
+                                   session_id=self.call.session_id, worker=err.worker,
+                                   status=err.status, problem=err.message)
+                await self._send_error(err)
+                return
             except GatewayError as err:
                 await self._account(None)
                 self.g.log.warning("upstream failed", request_id=self.call.request_id,
@@ -527,16 +703,16 @@ class _ProxyCall(Response):
             if not self.started:
                 await self._send_error(GatewayError(500, "internal error in the gateway", INTERNAL))
         finally:
-            with anyio.CancelScope(shield=True):
-                if response is not None:
-                    await response.aclose()
-                if not self.accounted:
-                    await self._account(None)
+            # No shield needed here: closing does not wait, and _account shields itself.
+            if response is not None:
+                response.close()
+            if not self.accounted:
+                await self._account(None)
 
-    async def _relay_whole(self, response: httpx.Response, worker: str) -> None:
+    async def _relay_whole(self, response: RelayResponse, worker: str) -> None:
         try:
             body = await response.aread()
-        except httpx.HTTPError as err:
+        except TransportError as err:
             await self._account(None)
             await self._send_error(transport_error(worker, err, mid_stream=True))
             return
@@ -562,7 +738,7 @@ class _ProxyCall(Response):
         await self._start(response.status_code, headers)
         await self._body(body, more=False)
 
-    async def _relay_stream(self, response: httpx.Response, worker: str) -> None:
+    async def _relay_stream(self, response: RelayResponse, worker: str) -> None:
         tap = StreamTap(self.drop_usage)
         await self._start(response.status_code, response_headers(response.headers))
         try:
@@ -577,7 +753,7 @@ class _ProxyCall(Response):
             rest = tap.flush()
             if rest:
                 await self._body(rest)
-        except httpx.HTTPError as err:
+        except TransportError as err:
             error = transport_error(worker, err, mid_stream=True)
             self.g.log.warning("upstream stream broke", request_id=self.call.request_id,
                                session_id=self.call.session_id, worker=worker, problem=error.message)
@@ -618,38 +794,38 @@ class _ProxyCall(Response):
     def _observe(self, worker: str, counts: UsageCounts | None) -> None:
         parts = self.g.parts
         now = self.g.clock()
-        parts.metrics.requests.labels(self.route, str(self.status)).inc()
+        self.g.count_request(self.route, self.status)
         if self.sent_upstream_at is not None:
-            parts.metrics.upstream_seconds.labels(worker, "true" if self.stream else "false").observe(
-                now - self.sent_upstream_at)
-            if self.first_byte_at is not None:
-                parts.metrics.ttft_seconds.labels(worker).observe(self.first_byte_at - self.sent_upstream_at)
+            self.g.observe_upstream(
+                worker, self.stream, now - self.sent_upstream_at,
+                None if self.first_byte_at is None else self.first_byte_at - self.sent_upstream_at)
         if counts is None:
             return
         usage = counts.to_usage(self.identity.prompt_tokens)
         held = self.admitted.held_s if self.admitted is not None else 0.0
         ttft = (self.first_byte_at - self.received) if (self.stream and self.first_byte_at) else None
-        parts.request_log.write(request_end_record(
-            request_id=self.call.request_id,
-            session_id=self.call.session_id,
-            parent_session_id=self.call.parent_session_id,
-            model=self.identity.model,
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens,
-            received_unix_s=self.received_wall,
-            total_s=now - self.received,
-            ttft_s=ttft,
-            queue_s=held,
-            now_unix_s=self.g.wall(),
-            extra={"worker": worker, "route": self.route, "stream": self.stream,
-                   "status": self.status, "identity_source": self.identity.source},
-        ))
-        self.g.log.info("call done", request_id=self.call.request_id,
-                        session_id=self.call.session_id, worker=worker, route=self.route,
-                        status=self.status, stream=self.stream, held_s=round(held, 4),
-                        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                        cached_tokens=usage.cached_tokens)
+        if parts.request_log.path is not None:  # else the record would be built for nothing
+            parts.request_log.write(request_end_record(
+                request_id=self.call.request_id,
+                session_id=self.call.session_id,
+                parent_session_id=self.call.parent_session_id,
+                model=self.identity.model,
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                received_unix_s=self.received_wall,
+                total_s=now - self.received,
+                ttft_s=ttft,
+                queue_s=held,
+                now_unix_s=self.g.wall(),
+                extra={"worker": worker, "route": self.route, "stream": self.stream,
+                       "status": self.status, "identity_source": self.identity.source},
+            ))
+        self.g.call_lines.info("call done", {
+            "request_id": self.call.request_id, "session_id": self.call.session_id,
+            "worker": worker, "route": self.route, "status": self.status, "stream": self.stream,
+            "held_s": round(held, 4), "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens})
 
     # -- ASGI -------------------------------------------------------------------------
 
@@ -673,4 +849,4 @@ class _ProxyCall(Response):
         headers += [(name.encode(), value.encode()) for name, value in err.headers().items()]
         await self._start(err.status, headers)
         await self._body(body, more=False)
-        self.g.parts.metrics.requests.labels(self.route, str(err.status)).inc()
+        self.g.count_request(self.route, err.status)

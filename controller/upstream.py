@@ -1,6 +1,7 @@
 """Talking to the workers: pooled clients, what is forwarded, and reading usage off streams.
 
-- One :class:`httpx.AsyncClient` per worker (:class:`UpstreamPool`), keep-alive pooled.
+- :class:`UpstreamPool`: per worker, the relay's keep-alive pool
+  (:mod:`controller.relay_client`) and an httpx client for health, capacity and models.
 - :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
   client's ``Connection`` names), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so
   what comes back can be passed on byte for byte.
@@ -11,7 +12,8 @@
 - :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
   bytes on as they arrive; in drop mode it holds back at most one unfinished event and
   removes exactly the usage-only chunk it asked for.
-- :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`.
+- :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`
+  (:class:`WorkerUnreachable` when the call was never sent).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 import msgspec
 
 from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
+from controller.relay_client import Limits, RelayResponse, TransportError, WorkerConnections
 from controller.serve_config import UpstreamConfig, WorkerConfig
 from scheduler.calls import Usage
 
@@ -34,6 +37,9 @@ HOP_BY_HOP = frozenset({
 })
 # Not hop-by-hop, but replaced: the gateway sets them itself.
 _REPLACED = frozenset({"accept-encoding", "x-session-id"})
+# The same, as the bytes header names arrive in (compared without decoding them per call).
+_NOT_FORWARDED = frozenset(name.encode() for name in HOP_BY_HOP | _REPLACED)
+_IDENTITY_ENCODING = (b"accept-encoding", b"identity")
 # Routes whose streams carry OpenAI ``stream_options.include_usage`` chunks.
 USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ERROR_SNIPPET_BYTES = 2048
@@ -41,40 +47,37 @@ ERROR_SNIPPET_BYTES = 2048
 _json_decode = msgspec.json.Decoder().decode
 
 
-def _is_hop_by_hop(name: str) -> bool:
-    return name in HOP_BY_HOP or name.startswith("proxy-")
-
-
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str) -> list[tuple[bytes, bytes]]:
     """The client's headers as the worker should see them (``raw`` as ASGI gives them)."""
-    pairs = list(raw)
-    named_by_connection: set[str] = set()
-    for name, value in pairs:
-        if name.lower() == b"connection":
-            named_by_connection.update(
-                token.strip().lower() for token in value.decode("latin-1").split(",") if token.strip()
-            )
     out: list[tuple[bytes, bytes]] = []
-    for name, value in pairs:
-        lower = name.decode("latin-1").lower()
-        if _is_hop_by_hop(lower) or lower in _REPLACED or lower in named_by_connection:
+    named_by_connection: set[bytes] | None = None
+    for name, value in raw:
+        lower = name.lower()
+        if lower in _NOT_FORWARDED or lower.startswith(b"proxy-"):
+            if lower == b"connection":
+                named_by_connection = named_by_connection or set()
+                named_by_connection.update(
+                    token.strip().lower() for token in value.split(b",") if token.strip())
             continue
         out.append((name, value))
+    if named_by_connection:
+        out = [pair for pair in out if pair[0].lower() not in named_by_connection]
     out.append((b"x-session-id", session_id.encode("latin-1")))
-    out.append((b"accept-encoding", b"identity"))
+    out.append(_IDENTITY_ENCODING)
     return out
 
 
 # The gateway's own server adds these; the worker's would appear twice.
 _SERVER_SET = frozenset({"date", "server"})
+_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP | _SERVER_SET)
 
 
-def response_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
-    """The worker's response headers as the client should see them."""
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The worker's response headers (raw pairs, as received) as the client should see them."""
     out = []
-    for name, value in headers.raw:
-        lower = name.decode("latin-1").lower()
-        if not _is_hop_by_hop(lower) and lower not in _SERVER_SET:
+    for name, value in raw:
+        lower = name.lower()
+        if lower not in _NOT_RELAYED and not lower.startswith(b"proxy-"):
             out.append((name, value))
     return out
 
@@ -210,9 +213,17 @@ def decode_json(data: bytes) -> Any:
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE_SPLIT = re.compile(rb"\r\n|\n|\r")
 _SCAN_LIMIT = 4 * 1024 * 1024
-_WORTH_PARSING = re.compile(rb"usage|\[DONE\]|message_stop|response\.(?:created|completed|failed|incomplete)")
+_RESPONSE_EVENT_WORTH_PARSING = re.compile(rb"response\.(?:created|completed|failed|incomplete)")
 _END_EVENT_TYPES = frozenset({"message_stop", "response.completed", "response.failed",
                               "response.incomplete"})
+
+
+def _worth_parsing(event: bytes) -> bool:
+    """Whether an event may carry usage, a response id or the end marker (plain substring
+    tests first: a regex over every token's event costs more than the rest of its relay)."""
+    if b"usage" in event or b"[DONE]" in event or b"message_stop" in event:
+        return True
+    return b"response." in event and _RESPONSE_EVENT_WORTH_PARSING.search(event) is not None
 
 
 def _event_data(event: bytes) -> bytes | None:
@@ -248,6 +259,14 @@ class StreamTap:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.drop_usage_chunk and not self._pending:
+            # The usual chunk: exactly one whole event (an engine step's token).
+            match = _EVENT_END.search(chunk)
+            if match is not None and match.end() == len(chunk):
+                if self._inspect(chunk[:match.start()]) and not self.dropped:
+                    self.dropped = True
+                    return b""
+                return chunk
         buffer = self._pending + chunk if self._pending else chunk
         start = 0
         if not self.drop_usage_chunk:
@@ -280,7 +299,7 @@ class StreamTap:
 
     def _inspect(self, event: bytes) -> bool:
         """Scan one event; True when it is a usage-only chunk."""
-        if not _WORTH_PARSING.search(event):
+        if not _worth_parsing(event):
             return False
         data = _event_data(event)
         if data is None:
@@ -305,83 +324,104 @@ class StreamTap:
 
 # -- the pool --------------------------------------------------------------------------------
 
+# Idle keep-alive connections to a worker are not reused after this long: below uvicorn's
+# (and so vLLM's) 5 s keep-alive, so the server never closes one under a new request.
+IDLE_EXPIRY_S = 3.0
+
 
 class UpstreamPool:
-    """Pooled clients per worker, closed together.
+    """The connections to each worker, closed together.
 
-    Each worker's connections are split over ``pool_shards`` httpx clients used in turn:
-    httpcore scans every pooled connection on each request (a cost that grows with the
-    square of the pool at a hundred concurrent streams: encode/httpcore#1035), so several
-    small pools cost less than one large one. With ``pool_shards: 1`` it is the one pooled
-    client per worker of DESIGN.md §5.
+    - :meth:`relay`: the relay path's keep-alive pool (:mod:`controller.relay_client`), sized
+      by ``upstream.max_connections`` / ``max_keepalive_connections``.
+    - :meth:`client`: one :class:`httpx.AsyncClient` per worker for the rare control calls
+      (health, capacity, models), where httpx's convenience costs nothing that matters.
     """
 
-    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig) -> None:
+    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig,
+                 idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
         timeout = httpx.Timeout(
             connect=config.connect_timeout_s,
             read=config.read_timeout_s,
             write=config.write_timeout_s,
             pool=config.pool_timeout_s,
         )
-        shards = config.pool_shards
-        limits = httpx.Limits(
-            max_connections=max(1, config.max_connections // shards),
-            max_keepalive_connections=max(0, config.max_keepalive_connections // shards),
+        limits = Limits(
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            write_timeout_s=config.write_timeout_s,
+            pool_timeout_s=config.pool_timeout_s,
+            max_connections=config.max_connections,
+            max_idle_connections=config.max_keepalive_connections,
+            idle_expiry_s=idle_expiry_s,
         )
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
         self._clients = {
-            worker.name: [
-                httpx.AsyncClient(
-                    base_url=worker.url, timeout=timeout, limits=limits, trust_env=False,
-                    follow_redirects=False,
-                )
-                for _ in range(shards)
-            ]
+            worker.name: httpx.AsyncClient(
+                base_url=worker.url, timeout=timeout, trust_env=False, follow_redirects=False,
+                limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
+            )
             for worker in workers
         }
-        self._turn = {worker.name: 0 for worker in workers}
+        self._relays = {worker.name: WorkerConnections(worker.url, limits) for worker in workers}
         self.urls = {worker.name: worker.url for worker in workers}
 
     def client(self, worker: str) -> httpx.AsyncClient:
-        shards = self._clients[worker]
-        turn = self._turn[worker]
-        self._turn[worker] = turn + 1
-        return shards[turn % len(shards)]
+        return self._clients[worker]
+
+    def relay(self, worker: str) -> WorkerConnections:
+        return self._relays[worker]
 
     def names(self) -> list[str]:
         return list(self._clients)
 
     async def aclose(self) -> None:
-        for shards in self._clients.values():
-            for client in shards:
-                await client.aclose()
+        for relay in self._relays.values():
+            await relay.aclose()
+        for client in self._clients.values():
+            await client.aclose()
 
 
-def transport_error(worker: str, err: httpx.HTTPError, mid_stream: bool = False) -> GatewayError:
-    """A failure to talk to ``worker`` as the client should see it (502 or 504)."""
-    if isinstance(err, httpx.TimeoutException):
-        kind = type(err).__name__
-        return GatewayError(504, f"worker {worker} did not answer in time ({kind})", UPSTREAM_TIMEOUT)
+class WorkerUnreachable(GatewayError):
+    """The call was never sent: the worker refused the connection (or did not accept it in
+    time, or none of its connections came free). The gateway may place it elsewhere."""
+
+    def __init__(self, worker: str, status: int, message: str, type_: str) -> None:
+        super().__init__(status, message, type_)
+        self.worker = worker
+
+
+def transport_error(worker: str, err: TransportError, mid_stream: bool = False) -> GatewayError:
+    """A failure to talk to ``worker`` as the client should see it (502 or 504); a
+    :class:`WorkerUnreachable` when the request provably never left."""
     detail = str(err) or type(err).__name__
-    if mid_stream:
-        return GatewayError(502, f"worker {worker} broke off the response: {detail}", UPSTREAM)
-    return GatewayError(502, f"cannot reach worker {worker}: {detail}", UPSTREAM)
+    if err.timeout:
+        status, type_ = 504, UPSTREAM_TIMEOUT
+        message = f"worker {worker} did not answer in time ({type(err).__name__}: {detail})"
+    elif mid_stream:
+        status, type_ = 502, UPSTREAM
+        message = f"worker {worker} broke off the response: {detail}"
+    else:
+        status, type_ = 502, UPSTREAM
+        message = f"cannot reach worker {worker}: {detail}"
+    if not err.sent:
+        return WorkerUnreachable(worker, status, message, type_)
+    return GatewayError(status, message, type_)
 
 
-async def open_upstream(client: httpx.AsyncClient, worker: str, path: str, content: bytes,
-                        headers: list[tuple[bytes, bytes]]) -> httpx.Response:
-    """POST and return the streamed response; transport errors and 5xx raise GatewayError
-    (the 5xx response is read and closed first)."""
-    request = client.build_request("POST", path, content=content, headers=headers)
+async def open_upstream(pool: UpstreamPool, worker: str, path: bytes, content: bytes,
+                        headers: list[tuple[bytes, bytes]]) -> RelayResponse:
+    """POST and return the response as it streams in; transport errors and 5xx raise
+    GatewayError (the 5xx response is read and closed first)."""
     try:
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as err:
+        response = await pool.relay(worker).request(b"POST", path, headers, content)
+    except TransportError as err:
         raise transport_error(worker, err) from None
     if response.status_code >= 500:
         try:
             body = await _read_snippet(response)
-        except httpx.HTTPError:
+        except TransportError:
             body = b""
         finally:
             await response.aclose()
@@ -392,7 +432,7 @@ async def open_upstream(client: httpx.AsyncClient, worker: str, path: str, conte
     return response
 
 
-async def _read_snippet(response: httpx.Response) -> bytes:
+async def _read_snippet(response: RelayResponse) -> bytes:
     parts: list[bytes] = []
     size = 0
     async for chunk in response.aiter_raw():
