@@ -11,6 +11,7 @@ given a few seconds more than the grace, :data:`CUT_MARGIN_S`, for those last by
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 import anyio
 
@@ -19,12 +20,28 @@ import anyio
 CUT_MARGIN_S = 3.0
 
 
+class Cuttable(Protocol):
+    def cut_by_drain(self) -> None: ...
+
+
 class Drain:
+    """Invariant: ``_open`` holds exactly the calls in progress (each tracks itself for its
+    whole life), so the cut reaches every one of them."""
+
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.draining = False
         self._cut: anyio.Event | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._open: set[Cuttable] = set()
+
+    def track(self, call: Cuttable) -> None:
+        if self.cut:
+            call.cut_by_drain()  # arrived on a connection still open after the cut
+        self._open.add(call)
+
+    def untrack(self, call: Cuttable) -> None:
+        self._open.discard(call)
 
     def open(self) -> None:
         """Bind to the running event loop (the app's lifespan calls it)."""
@@ -44,8 +61,13 @@ class Drain:
         if self.draining or self._cut is None:
             return
         self.draining = True
-        cut = self._cut
-        self._timer = asyncio.get_running_loop().call_later(self.grace_s, cut.set)
+        self._timer = asyncio.get_running_loop().call_later(self.grace_s, self._cut_now)
+
+    def _cut_now(self) -> None:
+        assert self._cut is not None
+        self._cut.set()
+        for call in list(self._open):
+            call.cut_by_drain()
 
     def close(self) -> None:
         if self._timer is not None:

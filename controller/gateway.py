@@ -29,6 +29,7 @@ session's home worker when the session is a known program) without the policy he
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import itertools
 import sys
@@ -592,7 +593,8 @@ class _ProxyCall:
 
     __slots__ = ("g", "route", "path", "raw_headers_in", "call", "identity", "content", "stream",
                  "drop_usage", "received", "received_wall", "admitted", "accounted", "finished",
-                 "started", "status", "sent_upstream_at", "first_byte_at", "_send")
+                 "started", "status", "sent_upstream_at", "first_byte_at", "_send", "_scope",
+                 "cut")
 
     def __init__(self, gateway: _Gateway, route: str, path: bytes,
                  raw_headers: list[tuple[bytes, bytes]], call: CallRequest, identity: Identity,
@@ -617,24 +619,48 @@ class _ProxyCall:
         self.sent_upstream_at: float | None = None
         self.first_byte_at: float | None = None
         self._send: Send | None = None
+        self._scope: anyio.CancelScope | None = None
+        self.cut = False  # ended by the shutdown drain
 
     async def __call__(self, receive: Receive, send: Send) -> None:
         self._send = send
+        drain = self.g.parts.drain
         # One cancel scope and one plain task watching ``receive`` (an anyio task group per
         # call cost ~140 us): the scope's shields still protect the policy's bookkeeping.
         with anyio.CancelScope() as scope:
+            self._scope = scope
+            drain.track(self)
             watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, scope))
             try:
                 await self._run()
             finally:
+                drain.untrack(self)
                 if not watcher.done():
                     watcher.cancel()
+        if self.cut and not self.finished:
+            await self._end_for_shutdown()
+            return
         if not self.finished:
             self.g.count_request(self.route, 499)
             self.g.log.info("client disconnected", request_id=self.call.request_id,
                             session_id=self.call.session_id,
                             stage="held" if self.admitted is None else
                             ("streaming" if self.started else "upstream"))
+
+    async def _end_for_shutdown(self) -> None:
+        """End a call the drain cut, in a way its client can read."""
+        err = GatewayError(503, "the gateway is shutting down; retry the call", UNAVAILABLE,
+                           retry_after_s=self.g.config.limits.retry_after_s)
+        self.g.log.info("call cut by shutdown", request_id=self.call.request_id,
+                        session_id=self.call.session_id,
+                        stage="held" if self.admitted is None else
+                        ("streaming" if self.started else "upstream"))
+        if self.started:
+            self.finished = True
+            await self._body(err.sse_event(self.route), more=False)
+            self.g.count_request(self.route, 503)
+        else:
+            await self._send_error(err)
 
     async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
         # The body was read already: what comes now is the disconnect (uvicorn also sends it
@@ -649,50 +675,13 @@ class _ProxyCall:
     # -- the call ---------------------------------------------------------------------
 
     async def _run(self) -> None:
-        parts = self.g.parts
-        if not parts.workers.healthy_names():
-            # Nothing to hold for: answer now and let the client retry. (A worker whose
-            # capacity is still unknown is healthy; its calls wait for the capacity.)
-            await self._send_error(GatewayError(
-                503, "no healthy worker: every worker fails its health checks", UNAVAILABLE))
-            return
-        try:
-            self.admitted = await parts.admission.arrive(self.call)
-        except GatewayError as err:
-            await self._send_error(err)
-            return
-        except Exception:
-            self.g.log.exception("admission failed", request_id=self.call.request_id,
-                                 session_id=self.call.session_id)
-            await self._send_error(GatewayError(500, "internal error while admitting the call", INTERNAL))
-            return
-        if self.admitted.held_s > 0:
-            parts.metrics.hold_seconds.observe(self.admitted.held_s)
-        worker = self.admitted.worker
         response: RelayResponse | None = None
+        worker = None
         try:
-            headers = forward_headers(self.raw_headers_in, self.call.session_id)
-            self.sent_upstream_at = self.g.clock()
-            try:
-                response = await open_upstream(parts.pool, worker, self.path, self.content, headers)
-            except WorkerUnreachable as err:
-                # RE-PLACEMENT GOES HERE. The call was never sent (``err.worker`` refused or
-                # did not accept the connection): instead of answering the client, the call
-                # should go back to admission to be placed on another worker, and the worker
-                # marked down now. Until that is wired, it fails like any transport error.
-                await self._account(None)
-                self.g.log.warning("worker unreachable", request_id=self.call.request_id,
-                                   session_id=self.call.session_id, worker=err.worker,
-                                   status=err.status, problem=err.message)
-                await self._send_error(err)
-                return
-            except GatewayError as err:
-                await self._account(None)
-                self.g.log.warning("upstream failed", request_id=self.call.request_id,
-                                   session_id=self.call.session_id, worker=worker,
-                                   status=err.status, problem=err.message)
-                await self._send_error(err)
-                return
+            opened = await self._admit_and_open()
+            if opened is None:
+                return  # answered already (refused, or no worker could take it)
+            worker, response = opened
             if self.stream and 200 <= response.status_code < 300:
                 await self._relay_stream(response, worker)
             else:
@@ -706,8 +695,72 @@ class _ProxyCall:
             # No shield needed here: closing does not wait, and _account shields itself.
             if response is not None:
                 response.close()
-            if not self.accounted:
+            if self.admitted is not None and not self.accounted:
                 await self._account(None)
+
+    async def _admit_and_open(self) -> tuple[str, RelayResponse] | None:
+        """Admit the call and open it on its worker. A call the worker never received (it
+        refused the connection) is placed again, at most once per worker, and a worker that
+        could not be connected to at all is taken out at once. None when the client has its
+        answer already."""
+        parts = self.g.parts
+        first_id = self.call.request_id
+        last_error: GatewayError | None = None
+        for attempt in range(len(parts.workers.states) + 1):
+            if not parts.workers.healthy_names():
+                # Nothing to hold for: answer now and let the client retry. (A worker whose
+                # capacity is still unknown is healthy; its calls wait for the capacity.)
+                await self._send_error(last_error or GatewayError(
+                    503, "no healthy worker: every worker fails its health checks", UNAVAILABLE,
+                    retry_after_s=self.g.config.limits.retry_after_s))
+                return None
+            if attempt:
+                self.call = dataclasses.replace(self.call, request_id=f"{first_id}-{attempt}")
+                self.admitted, self.accounted = None, False
+            try:
+                self.admitted = await parts.admission.arrive(self.call)
+            except GatewayError as err:
+                await self._send_error(err)
+                return None
+            except Exception:
+                self.g.log.exception("admission failed", request_id=self.call.request_id,
+                                     session_id=self.call.session_id)
+                await self._send_error(GatewayError(500, "internal error while admitting the call",
+                                                    INTERNAL))
+                return None
+            if self.admitted.held_s > 0:
+                parts.metrics.hold_seconds.observe(self.admitted.held_s)
+            worker = self.admitted.worker
+            headers = forward_headers(self.raw_headers_in, self.call.session_id)
+            self.sent_upstream_at = self.g.clock()
+            try:
+                return worker, await open_upstream(parts.pool, worker, self.path, self.content,
+                                                   headers)
+            except WorkerUnreachable as err:
+                await self._account(None)  # it never ran: out of the policy before it goes again
+                self.g.log.warning("worker unreachable", action="placing the call again",
+                                   request_id=self.call.request_id,
+                                   session_id=self.call.session_id, worker=err.worker,
+                                   problem=err.message, worker_down=err.worker_down)
+                if err.worker_down:
+                    await parts.workers.mark_unreachable(err.worker, err.message)
+                last_error = err
+            except GatewayError as err:
+                await self._account(None)
+                self.g.log.warning("upstream failed", request_id=self.call.request_id,
+                                   session_id=self.call.session_id, worker=worker,
+                                   status=err.status, problem=err.message)
+                await self._send_error(err)
+                return None
+        assert last_error is not None  # the loop only runs out after refusals
+        await self._send_error(last_error)
+        return None
+
+    def cut_by_drain(self) -> None:
+        """The gateway's shutdown grace ran out (controller/drain.py): end the call now."""
+        self.cut = True
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def _relay_whole(self, response: RelayResponse, worker: str) -> None:
         try:
@@ -802,6 +855,8 @@ class _ProxyCall:
         if counts is None:
             return
         usage = counts.to_usage(self.identity.prompt_tokens)
+        parts.metrics.count_usage(worker, usage.prompt_tokens, usage.cached_tokens,
+                                  usage.completion_tokens)
         held = self.admitted.held_s if self.admitted is not None else 0.0
         ttft = (self.first_byte_at - self.received) if (self.stream and self.first_byte_at) else None
         if parts.request_log.path is not None:  # else the record would be built for nothing

@@ -4,6 +4,7 @@ a graceful drain (controller/drain.py) hooked into its shutdown."""
 from __future__ import annotations
 
 import importlib.util
+import signal
 from typing import Any
 
 import uvicorn
@@ -38,9 +39,16 @@ def server_config(app: Any, host: str, port: int, grace_s: float) -> uvicorn.Con
     )
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_gateway(app: Any, host: str, port: int) -> None:
     """Serve ``app`` (from :func:`controller.gateway.create_app`) until SIGTERM/SIGINT."""
     drain: Drain = app.state.sluice.drain
+    # uvicorn captures SIGTERM for its shutdown and raises it again once it is done; with
+    # the default action that would end the process "killed by SIGTERM" after a clean drain.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         DrainingServer(server_config(app, host, port, drain.grace_s), drain).run()
     except KeyboardInterrupt:

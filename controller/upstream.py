@@ -27,7 +27,14 @@ import httpx
 import msgspec
 
 from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
-from controller.relay_client import Limits, RelayResponse, TransportError, WorkerConnections
+from controller.relay_client import (
+    ConnectError,
+    ConnectTimeout,
+    Limits,
+    RelayResponse,
+    TransportError,
+    WorkerConnections,
+)
 from controller.serve_config import UpstreamConfig, WorkerConfig
 from scheduler.calls import Usage
 
@@ -387,9 +394,13 @@ class WorkerUnreachable(GatewayError):
     """The call was never sent: the worker refused the connection (or did not accept it in
     time, or none of its connections came free). The gateway may place it elsewhere."""
 
-    def __init__(self, worker: str, status: int, message: str, type_: str) -> None:
+    def __init__(self, worker: str, status: int, message: str, type_: str,
+                 worker_down: bool = False) -> None:
         super().__init__(status, message, type_)
         self.worker = worker
+        # No connection could be made at all (refused, or connecting timed out), as
+        # opposed to a pool with no free connection: the worker itself is down.
+        self.worker_down = worker_down
 
 
 def transport_error(worker: str, err: TransportError, mid_stream: bool = False) -> GatewayError:
@@ -406,7 +417,8 @@ def transport_error(worker: str, err: TransportError, mid_stream: bool = False) 
         status, type_ = 502, UPSTREAM
         message = f"cannot reach worker {worker}: {detail}"
     if not err.sent:
-        return WorkerUnreachable(worker, status, message, type_)
+        return WorkerUnreachable(worker, status, message, type_,
+                                 worker_down=isinstance(err, (ConnectError, ConnectTimeout)))
     return GatewayError(status, message, type_)
 
 

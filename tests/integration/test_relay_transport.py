@@ -11,13 +11,14 @@ import threading
 import time
 
 import pytest
-from gateway_harness import ServerThread, chat, fakes, free_port, gateway, serve_config, wait_for
 
 from controller.errors import GatewayError
 from controller.relay_client import Disconnected, Limits, ReadTimeout, WorkerConnections
 from controller.serve_config import UpstreamConfig, WorkerConfig
 from controller.upstream import UpstreamPool, WorkerUnreachable, open_upstream
-from fake_vllm import FakeState, create_fake
+from entry.ports import free_port
+from tests.support.fake_vllm import FakeState, create_fake
+from tests.support.gateway_harness import ServerThread, chat, fakes, gateway, serve_config, wait_for
 
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
 # A stream that sends one event and then nothing more.
