@@ -71,13 +71,13 @@ latencies, not the /proc figures):
 figure                        before (017c6e4: httpx relay,   after (relay_client, raw ASGI
                               Starlette route, uvicorn h11)   relay path, uvicorn httptools)
 ============================  ==============================  ===============================
-gateway_cpu_us_per_request    2,233                           320–370
+gateway_cpu_us_per_request    2,233                           297–370
 gateway_req_per_s             443                             2,500–2,900 with the core to
                                                               itself; 1,250 when other work
                                                               took turns on it
 gateway_cpu_us_per_chunk      68                              20–26
-gateway_overhead_p50_ms       285 (the gateway saturated)     2.0–3.0
-gateway_overhead_p99_ms       664                             13–35
+gateway_overhead_p50_ms       285 (the gateway saturated)     1.9–3.0
+gateway_overhead_p99_ms       664                             13–39
 ============================  ==============================  ===============================
 """
 
