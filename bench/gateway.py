@@ -63,14 +63,22 @@ abort the benchmark.
 with the non-streaming and streaming loads, and prints its top functions to stderr after the
 measurements; the reported numbers never come from the profiled run.
 
-Numbers on the 2-CPU development VM (``python -m bench --only gateway``):
+Numbers on the 2-CPU development VM (``python -m bench --only gateway``; other sessions kept
+the machine's load average at 4–9 throughout, which moves requests per second and the
+latencies, not the /proc figures):
 
-=============================  ==================  ===========
-figure                         before (017c6e4)    after
-=============================  ==================  ===========
-gateway_cpu_us_per_request     ~2,250 (stream)     see report
-gateway_req_per_s              255–340             see report
-=============================  ==================  ===========
+============================  ==============================  ===============================
+figure                        before (017c6e4: httpx relay,   after (relay_client, raw ASGI
+                              Starlette route, uvicorn h11)   relay path, uvicorn httptools)
+============================  ==============================  ===============================
+gateway_cpu_us_per_request    2,233                           297–370
+gateway_req_per_s             443                             2,500–2,900 with the core to
+                                                              itself; 1,250 when other work
+                                                              took turns on it
+gateway_cpu_us_per_chunk      68                              20–26
+gateway_overhead_p50_ms       285 (the gateway saturated)     1.9–3.0
+gateway_overhead_p99_ms       664                             13–39
+============================  ==============================  ===============================
 """
 
 from __future__ import annotations
