@@ -114,8 +114,12 @@ class RolloutSetup:
             max_context_tokens=self.capacity_tokens // 2,
         )
 
-    def gateway_config(self, policy: str) -> dict[str, Any]:
-        """The gateway actor's config (it adds ``listen`` and ``workers`` itself)."""
+    def gateway_config(self, policy: str, *, simulated: bool) -> dict[str, Any]:
+        """The gateway actor's config (it adds ``listen`` and ``workers`` itself). The
+        growth reserve is scaled down only for the simworkers' small pools."""
+        section: dict[str, Any] = {"name": policy}
+        if simulated:
+            section["growth_reserve_tokens"] = self.growth_reserve_tokens
         return {
             "admin_token_env": None,
             "health_interval_s": 1.0,
@@ -124,7 +128,7 @@ class RolloutSetup:
             "log_level": "warning",
             # Short: a gateway is stopped only once its step barrier has passed.
             "shutdown_grace_s": 5.0,
-            "policy": {"name": policy, "growth_reserve_tokens": self.growth_reserve_tokens},
+            "policy": section,
         }
 
     def simworker_settings(self) -> dict[str, Any]:
@@ -384,8 +388,8 @@ class Fleet:
                                 scheduling_strategy="SPREAD")
                 for i in range(setup.workers)]
             engines = self.simworkers
-        self.gateway = start_gateway(setup.gateway_config(self.policy), engines,
-                                     num_cpus=setup.gateway_cpus)
+        config = setup.gateway_config(self.policy, simulated=self.given_engines is None)
+        self.gateway = start_gateway(config, engines, num_cpus=setup.gateway_cpus)
         url = ray.get(self.gateway.url.remote())
         capacities = ray.get(self.gateway.wait_ready.remote(60.0))
         return url, capacities
@@ -395,10 +399,12 @@ class Fleet:
 
         actors = [actor for actor in [self.gateway, *self.simworkers] if actor is not None]
         # A graceful stop first (the gateway drains, the simworkers close their sockets);
-        # then the processes go.
-        ray.get([actor.stop.remote() for actor in actors])
-        for actor in actors:
-            ray.kill(actor)
+        # then the processes go, even when an actor failed to stop (or to start).
+        try:
+            ray.get([actor.stop.remote() for actor in actors], timeout=60.0)
+        finally:
+            for actor in actors:
+                ray.kill(actor)
 
 
 def warm_up(setup: RolloutSetup) -> None:
