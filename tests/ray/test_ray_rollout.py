@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 def _env() -> dict[str, str]:
     # The repository on the path of the driver and so of the Ray workers it starts (they
     # import ray_fleet's task functions by name).
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
