@@ -33,6 +33,8 @@ ALLOWED_PROJECT_IMPORTS = {
     "simworker": {"scheduler", "sim", "simworker", PLUGIN},
     PLUGIN: {PLUGIN},
     "entry": {"scheduler", "controller", "sim", "simworker", "entry"},
+    # The Ray deployment composes the shells as entry does; nothing imports it back.
+    "ray_fleet": {"scheduler", "controller", "sim", "simworker", "entry", "ray_fleet"},
 }
 PROJECT = set(ALLOWED_PROJECT_IMPORTS)
 
