@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
-EXTRAS := live,plots,dev,clients
+EXTRAS := live,plots,dev,clients,tune
 # Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
 STAMP  := $(VENV)/.sluice-installed
 
