@@ -20,6 +20,8 @@ import typer
 
 from entry.sim_commands import _check_fits, _check_preset, _command_line
 from entry.usage_error import usage_error
+from sim import tuning
+from sim.report import format_table, with_ceiling_ratio
 from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS
 from sim.step_time import DEFAULT_PRESET
 
@@ -103,8 +105,6 @@ def tune(
     """Search a policy's keys on the simulator (Optuna): maximise output tokens/s subject to a
     p99 call-latency limit, check the best against the defaults on held-back data, write a
     `policy:` section."""
-    from sim import tuning
-
     _check_preset(preset)
     if policy not in tuning.SEARCH_SPACES:
         raise usage_error(f"--policy {policy!r} has no search space; tunable: "
@@ -151,8 +151,6 @@ def tune(
 
     rows = _rows(tuning_data.label, held_back.label, defaults, chosen, held_defaults, held_best,
                  ceilings)
-    from sim.report import format_table
-
     typer.echo(format_table(rows, extra=("data",)))
     verdict = _verdict(study, chosen, check)
     for line in verdict:
@@ -187,8 +185,6 @@ def tune(
 
 def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed: Optional[int],
                         workers: int, preset: str, duration: float, block_size: int):
-    from sim.tuning import WorkloadScenario
-
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     held_seed = seed + 1 if holdout_seed is None else holdout_seed
@@ -198,8 +194,8 @@ def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed
     common = dict(workload=workload, concurrency=concurrency, workers=workers, preset=preset,
                   duration_s=duration, block_size=block_size)
     where = f"{workload} CC{concurrency}, {workers} workers, {duration:.0f} s"
-    return (WorkloadScenario(label=f"{where}, seed {seed}", seed=seed, **common),
-            WorkloadScenario(label=f"{where}, seed {held_seed}", seed=held_seed, **common))
+    return (tuning.WorkloadScenario(label=f"{where}, seed {seed}", seed=seed, **common),
+            tuning.WorkloadScenario(label=f"{where}, seed {held_seed}", seed=held_seed, **common))
 
 
 def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optional[Path],
@@ -208,7 +204,6 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
                      duration: Optional[float]):
     from sim.runs import replay_programs
     from sim.traces import TraceError
-    from sim.tuning import TraceScenario, held_back_split
 
     if workload is not None:
         raise usage_error("--workload and --format/--trace are two forms: give one")
@@ -231,16 +226,20 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
         raise usage_error(f"{trace}: the trace holds no requests")
     _check_fits(programs, preset, block_size, trace)
     try:
-        tuning_part, held_part = held_back_split(programs, fraction)
+        tuning_part, held_part = tuning.held_back_split(programs, fraction)
     except ValueError as err:
         raise usage_error(f"{trace}: {err}") from None
     loop = "open loop" if concurrency is None else f"closed loop at {concurrency}"
+    if concurrency is None:
+        typer.echo("open loop: every session arrives at its recorded time, so output tokens/s is "
+                   "the trace's own unless the fleet falls behind; --concurrency N (closed loop) "
+                   "or --time-scale < 1 makes the throughput depend on the policy", err=True)
     common = dict(workers=workers, preset=preset, block_size=block_size, concurrency=concurrency,
                   drain_s=drain, duration_cap_s=duration)
     name = f"{fmt} {trace.name}, {workers} workers, {loop}"
-    return (TraceScenario(label=f"{name}, first {len(tuning_part)} sessions",
+    return (tuning.TraceScenario(label=f"{name}, first {len(tuning_part)} sessions",
                           programs=tuple(tuning_part), **common),
-            TraceScenario(label=f"{name}, last {len(held_part)} sessions (held back)",
+            tuning.TraceScenario(label=f"{name}, last {len(held_part)} sessions (held back)",
                           programs=tuple(held_part), **common))
 
 
@@ -264,8 +263,6 @@ def _rows(tuning_label: str, held_label: str, defaults, chosen, held_defaults, h
             {**held_best.summary, "policy": f"trial {chosen.number}", "data": "held back"}]
     for data, ceiling in zip(("tuning", "held back"), ceilings):
         rows.append({**ceiling.summary, "policy": "ceiling", "data": data})
-    from sim.report import with_ceiling_ratio
-
     if ceilings:
         return (with_ceiling_ratio([row for row in rows if row["data"] == "tuning"])
                 + with_ceiling_ratio([row for row in rows if row["data"] == "held back"]))
