@@ -1,6 +1,6 @@
 """``sluice tune`` through the real typer app, on real (small) simulations: 2 workers, a minute
 or two of simulated time, 3–4 trials on 2 processes. The trace is a tiny gateway request log
-written by the test itself."""
+written by the test itself. The committed tuned section is hot-reloaded by a live gateway."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from sim.tuning import default_params
 pytest.importorskip("optuna", reason="sluice tune needs the `tune` extra (optuna)")
 
 SMALL = ("--workers", "2", "--jobs", "2", "--batch", "2")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -158,3 +159,37 @@ def test_trials_below_one_is_refused_by_the_flag(runner):
     result = invoke(runner, "tune", "--trials", "0")
     assert result.exit_code == 2
     assert "--trials" in result.output
+
+
+def test_the_committed_tuned_section_is_hot_reloaded_by_a_running_gateway(tmp_path):
+    """experiments/results/tuning/tuned.yaml, pasted into a serve config the gateway is
+    running with, is applied by the reload (no restart)."""
+    import os
+    import time
+
+    from tests.support.gateway_harness import ADMIN, ADMIN_TOKEN, gateway, wait_for
+
+    tuned = yaml.safe_load((REPO / "experiments/results/tuning/tuned.yaml").read_text())["policy"]
+    path = tmp_path / "sluice.yaml"
+
+    def write(policy: dict) -> None:
+        path.write_text(yaml.safe_dump({
+            "admin_token": ADMIN_TOKEN, "admin_token_env": None, "reload_poll_s": 0.05,
+            "health_interval_s": 30, "policy": policy,
+            "workers": [{"name": "w0", "url": "http://127.0.0.1:9", "capacity_tokens": 100_000}],
+        }), encoding="utf-8")
+        stamp = time.time_ns() + 10_000_000  # a distinct mtime even on coarse filesystems
+        os.utime(path, ns=(stamp, stamp))
+
+    write({"name": "program_aware"})
+    with gateway(load_serve_config(path)) as gw:
+        def served() -> dict:
+            return gw.client.get("/sluice/config", headers=ADMIN).json()
+
+        assert served()["policy"]["pause_threshold"] == ProgramAwareConfig().pause_threshold
+        write(tuned)
+        wait_for(lambda: served()["policy"]["pause_threshold"] == tuned["pause_threshold"],
+                 what="the tuned section applied")
+        assert served()["reload"]["ok"] is True
+        policy = served()["policy"]
+        assert {key: policy[key] for key in tuned} == tuned
