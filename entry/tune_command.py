@@ -177,7 +177,8 @@ def tune(
                           "held_back_p99_limit_s": held_limit},
                "trials": [record.as_json() for record in study.records],
                "best_trial": best.number if best is not None else None,
-               "results": rows, "generalized": check.generalized and chosen is not defaults}
+               "results": rows,
+               "generalized": best is not None and chosen is not defaults and check.generalized}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
         typer.echo(f"wrote {json_path}")
@@ -257,10 +258,12 @@ def _report_trial(record, study, trials: int) -> None:
 
 def _rows(tuning_label: str, held_label: str, defaults, chosen, held_defaults, held_best,
           ceilings) -> list[dict[str, Any]]:
-    rows = [{**defaults.measurement.summary, "policy": "defaults", "data": "tuning"},
-            {**chosen.measurement.summary, "policy": f"trial {chosen.number}", "data": "tuning"},
-            {**held_defaults.summary, "policy": "defaults", "data": "held back"},
-            {**held_best.summary, "policy": f"trial {chosen.number}", "data": "held back"}]
+    rows = [{**defaults.measurement.summary, "policy": "defaults", "data": "tuning"}]
+    if chosen is not defaults:
+        rows.append({**chosen.measurement.summary, "policy": f"trial {chosen.number}", "data": "tuning"})
+    rows.append({**held_defaults.summary, "policy": "defaults", "data": "held back"})
+    if chosen is not defaults:
+        rows.append({**held_best.summary, "policy": f"trial {chosen.number}", "data": "held back"})
     for data, ceiling in zip(("tuning", "held back"), ceilings):
         rows.append({**ceiling.summary, "policy": "ceiling", "data": data})
     if ceilings:

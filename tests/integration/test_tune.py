@@ -121,7 +121,15 @@ def test_tune_on_the_gateways_request_log_checks_the_held_back_sessions(runner, 
     doc = json.loads(report.read_text())
     assert "first 7 sessions" in doc["config"]["tuning_data"]
     assert "last 3 sessions (held back)" in doc["config"]["held_back_data"]
-    assert [row["data"] for row in doc["results"]] == ["tuning", "tuning", "held back", "held back"]
+    # defaults and the best on each part; the defaults alone when no trial beat them
+    rows = [(row["data"], row["policy"]) for row in doc["results"]]
+    if doc["best_trial"] == 0:
+        assert rows == [("tuning", "defaults"), ("held back", "defaults")]
+        assert "no trial beat the defaults" in result.stdout
+    else:
+        best = f"trial {doc['best_trial']}"
+        assert rows == [("tuning", "defaults"), ("tuning", best), ("held back", "defaults"),
+                        ("held back", best)]
     assert invoke(runner, "check-config", out).exit_code == 0
 
 
@@ -193,3 +201,34 @@ def test_the_committed_tuned_section_is_hot_reloaded_by_a_running_gateway(tmp_pa
         assert served()["reload"]["ok"] is True
         policy = served()["policy"]
         assert {key: policy[key] for key in tuned} == tuned
+
+
+def test_a_limit_no_trial_meets_is_said_plainly_and_the_file_says_it_is_not_tuned(runner, tmp_path):
+    out = tmp_path / "tuned.yaml"
+    result = invoke(runner, "tune", "--concurrency", "16", "--duration", "60", "--trials", "3",
+                    *SMALL, "--p99-limit-s", "0.001", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "NO trial met the p99 limit" in result.stdout
+    assert "beats the defaults" not in result.stdout
+    assert "# NO trial met the p99 limit" in out.read_text()
+    assert invoke(runner, "check-config", out).exit_code == 0
+
+
+def test_a_best_that_loses_on_the_held_back_data_is_reported_as_not_generalizing():
+    from entry.tune_command import _verdict
+    from sim.tuning import HeldBackCheck, Measurement, Study, TrialRecord
+
+    def trial(number: int, tok_s: float) -> TrialRecord:
+        return TrialRecord(number=number, params={}, keys={"name": "program_aware"},
+                           measurement=Measurement(tok_s, 20.0, 0.9, {}), p99_excess_s=-1.0)
+
+    study = Study(records=[trial(0, 100.0), trial(1, 110.0)], p99_limit_s=21.0)
+    slower = HeldBackCheck(Measurement(100.0, 20.0, 0.9, {}), Measurement(98.0, 20.0, 0.9, {}), 25.0)
+    [line] = _verdict(study, study.best, slower)
+    assert line.startswith("did NOT generalize") and "-2.0% output tokens/s" in line
+    slow_tail = HeldBackCheck(Measurement(100.0, 20.0, 0.9, {}), Measurement(105.0, 30.0, 0.9, {}), 25.0)
+    [line] = _verdict(study, study.best, slow_tail)
+    assert line.startswith("did NOT generalize") and "p99 30.0 s over its limit of 25.0 s" in line
+    better = HeldBackCheck(Measurement(100.0, 20.0, 0.9, {}), Measurement(105.0, 20.0, 0.9, {}), 25.0)
+    [line] = _verdict(study, study.best, better)
+    assert "beats the defaults on the held-back data too: +5.0%" in line and "tie" not in line
