@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
-EXTRAS := live,plots,dev,clients
+EXTRAS := live,plots,dev,clients,tune
 # Installed after EXTRAS, best effort: where no Ray wheel fits the platform or Python the
 # Ray tier (tests/ray) skips, saying so, instead of the whole set-up failing.
 OPTIONAL_EXTRAS := ray

@@ -1,4 +1,5 @@
-"""``sluice sim``, ``sluice replay`` and ``sluice sweep``: the simulator's commands.
+"""``sluice sim``, ``sluice replay`` and ``sluice sweep``: the simulator's commands (and
+``sluice tune``, from entry/tune_command.py).
 
 They are registered on the main ``sluice`` app by :func:`register`. Each prints the report
 table; ``--json PATH`` writes ``{"results": [...], "config": {...}}``. Bad input (unknown
@@ -282,9 +283,11 @@ def list_presets() -> None:
 
 def register(app: typer.Typer) -> None:
     from entry.simworker_command import simworker
+    from entry.tune_command import tune
 
     app.command("sim")(sim)
     app.command("replay")(replay)
     app.command("sweep")(sweep)
+    app.command("tune")(tune)
     app.command("presets")(list_presets)
     app.command("simworker")(simworker)

@@ -100,7 +100,7 @@ class ConversationLoop(ProgramFeed):
     def __init__(self, programs: Iterable[ProgramSpec], concurrency: int) -> None:
         if concurrency <= 0:
             raise ValueError(f"concurrency must be > 0, got {concurrency}")
-        self._conversations = _conversations(list(programs))
+        self._conversations = group_conversations(list(programs))
         self._concurrency = concurrency
         self._next = 0
         self._conversation_of: dict[str, int] = {}  # live session → its conversation
@@ -131,15 +131,16 @@ class ConversationLoop(ProgramFeed):
         self._next += 1
         recorded = self._conversations[number]
         recorded_start = min(spec.start_at for spec in recorded)
-        programs = [_shifted(spec, recorded_start, now) for spec in recorded]
+        programs = [shifted_program(spec, recorded_start, now) for spec in recorded]
         for spec in programs:
             self._conversation_of[spec.session_id] = number
         self._programs_left[number] = len(programs)
         return programs
 
 
-def _conversations(programs: list[ProgramSpec]) -> list[list[ProgramSpec]]:
-    """Programs grouped by their top-level session, groups in the order of that session."""
+def group_conversations(programs: list[ProgramSpec]) -> list[list[ProgramSpec]]:
+    """Programs grouped by their top-level session (a conversation: it and its sub-agents),
+    groups in the order of that session."""
     by_id = {spec.session_id: spec for spec in programs}
     groups: dict[str, list[ProgramSpec]] = {}
     for spec in programs:
@@ -156,7 +157,7 @@ def _top_level(spec: ProgramSpec, by_id: dict[str, ProgramSpec]) -> str:
     return spec.session_id
 
 
-def _shifted(spec: ProgramSpec, recorded_start: float, start: float) -> ProgramSpec:
+def shifted_program(spec: ProgramSpec, recorded_start: float, start: float) -> ProgramSpec:
     """A fresh copy of ``spec`` (its own hash stream) with its recorded times moved from
     ``recorded_start`` to ``start`` (offsets first, so the conversation starts exactly then)."""
     calls = [call if call.at is None
