@@ -54,7 +54,7 @@ class ListenConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    """httpx timeouts and pool sizes, per worker."""
+    """Timeouts and pool sizes of the connections to each worker."""
 
     connect_timeout_s: Seconds = 5.0
     # Between two chunks of a stream, or for a whole non-streaming response.
@@ -64,8 +64,10 @@ class UpstreamConfig(_Strict):
     pool_timeout_s: Seconds = 30.0
     max_connections: Annotated[int, Field(ge=1)] = 1024
     max_keepalive_connections: Annotated[int, Field(ge=0)] = 256
-    # connections per worker are split over this many httpx clients, used in turn
-    pool_shards: Annotated[int, Field(ge=1, le=64)] = 8
+    # An idle keep-alive connection is not reused after this long; keep it below the
+    # workers' own keep-alive (uvicorn's, and so vLLM's: 5 s) so a worker never closes one
+    # under a request that is being sent.
+    idle_expiry_s: Seconds = 3.0
 
 
 class LimitsConfig(_Strict):

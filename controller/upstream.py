@@ -331,11 +331,6 @@ class StreamTap:
 
 # -- the pool --------------------------------------------------------------------------------
 
-# Idle keep-alive connections to a worker are not reused after this long: below uvicorn's
-# (and so vLLM's) 5 s keep-alive, so the server never closes one under a new request.
-IDLE_EXPIRY_S = 3.0
-
-
 class UpstreamPool:
     """The connections to each worker, closed together.
 
@@ -345,8 +340,7 @@ class UpstreamPool:
       (health, capacity, models), where httpx's convenience costs nothing that matters.
     """
 
-    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig,
-                 idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
+    def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig) -> None:
         timeout = httpx.Timeout(
             connect=config.connect_timeout_s,
             read=config.read_timeout_s,
@@ -360,7 +354,7 @@ class UpstreamPool:
             pool_timeout_s=config.pool_timeout_s,
             max_connections=config.max_connections,
             max_idle_connections=config.max_keepalive_connections,
-            idle_expiry_s=idle_expiry_s,
+            idle_expiry_s=config.idle_expiry_s,
         )
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
