@@ -350,6 +350,20 @@ class Admission:
             actions += self._tick(now)
             self._carry_out(actions, now)
 
+    def calls_on(self, worker: str) -> int:
+        return self.policy.calls_on(worker)
+
+    async def add_worker(self, worker: str, capacity_tokens: int | None) -> None:
+        async with self._lock:
+            self.policy.add_worker(worker, capacity_tokens)
+            now = self._clock()
+            self._carry_out(self._tick(now), now)  # held calls may fit on it now
+
+    async def remove_worker(self, worker: str) -> None:
+        async with self._lock:
+            now = self._clock()
+            self._carry_out(self.policy.remove_worker(worker, now), now)
+
     async def set_capacity(self, worker: str, capacity_tokens: int) -> None:
         async with self._lock:
             now = self._clock()

@@ -707,9 +707,10 @@ class _ProxyCall:
         first_id = self.call.request_id
         last_error: GatewayError | None = None
         for attempt in range(len(parts.workers.states) + 1):
-            if not parts.workers.healthy_names():
+            if not parts.workers.can_take_calls():
                 # Nothing to hold for: answer now and let the client retry. (A worker whose
-                # capacity is still unknown is healthy; its calls wait for the capacity.)
+                # capacity is still unknown is healthy, and one asleep will be woken: calls
+                # wait for them.)
                 await self._send_error(last_error or GatewayError(
                     503, "no healthy worker: every worker fails its health checks", UNAVAILABLE,
                     retry_after_s=self.g.config.limits.retry_after_s))

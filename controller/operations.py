@@ -31,16 +31,17 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from controller.admission import Admission
-from controller.errors import AUTHENTICATION, NOT_FOUND, PERMISSION, error_response
-from controller.serve_config import ServeConfig, load_serve_config
+from controller.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, PERMISSION, error_response
+from controller.serve_config import ServeConfig, WorkerConfig, load_serve_config
 from controller.subscriber import KvEventSubscriber
-from controller.workers import WorkerRegistry
-from scheduler.config import ConfigError
+from controller.workers import MembershipError, WorkerMode, WorkerRegistry
+from scheduler.config import ConfigError, format_validation_errors
 from scheduler.kv_index import KVIndex
 from scheduler.programs import Lifecycle, Phase
 
@@ -449,6 +450,9 @@ class AdminApi:
             Route("/sluice/programs", self.programs, methods=["GET"]),
             Route("/sluice/programs/{session_id:path}/release", self.release, methods=["POST"]),
             Route("/sluice/workers", self.workers, methods=["GET"]),
+            Route("/sluice/workers", self.add_worker, methods=["POST"]),
+            Route("/sluice/workers/{name}", self.remove_worker, methods=["DELETE"]),
+            Route("/sluice/workers/{name}/{action}", self.worker_action, methods=["POST"]),
             Route("/sluice/config", self.config, methods=["GET"]),
             Route("/sluice/reload", self.reload, methods=["POST"]),
         ]
@@ -508,8 +512,65 @@ class AdminApi:
                 "programs": len(ledger.worker(state.name).programs),
                 "last_error": state.last_error,
                 "last_check_unix": state.last_check_unix,
+                "mode": state.mode.value,
+                "calls_in_flight": self._admission.calls_on(state.name),
             })
         return JSONResponse({"workers": items})
+
+    # -- membership ------------------------------------------------------------------------
+
+    async def add_worker(self, request: Request) -> Response:
+        """``POST /sluice/workers`` with a worker entry as in the config's ``workers:``."""
+        if (denied := self._deny(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "the body must be a JSON worker entry: "
+                                  '{"name": ..., "url": ..., "capacity_tokens": ...}', INVALID_REQUEST)
+        try:
+            worker = WorkerConfig.model_validate(body)
+        except ValidationError as err:
+            return error_response(400, format_validation_errors(err, "worker"), INVALID_REQUEST)
+        if worker.kv_events or worker.replay or worker.directives:
+            return error_response(400, "a worker added at run time cannot have kv_events, replay "
+                                  "or directives (they need a restart with it in the config)",
+                                  INVALID_REQUEST)
+        try:
+            state = await self._workers.add(worker)
+        except MembershipError as err:
+            return error_response(err.status, str(err), INVALID_REQUEST)
+        return JSONResponse({"name": state.name, "mode": state.mode.value,
+                             "healthy": state.healthy}, status_code=201)
+
+    async def worker_action(self, request: Request) -> Response:
+        """``POST /sluice/workers/{name}/drain|sleep|wake``."""
+        if (denied := self._deny(request)) is not None:
+            return denied
+        name, action = request.path_params["name"], request.path_params["action"]
+        modes = {"drain": WorkerMode.DRAINING, "sleep": WorkerMode.ASLEEP, "wake": WorkerMode.SERVING}
+        if action not in modes:
+            return error_response(404, f"no worker action {action!r}: drain, sleep or wake",
+                                  NOT_FOUND)
+        try:
+            state = await self._workers.set_mode(name, modes[action])
+        except MembershipError as err:
+            return error_response(err.status, str(err), NOT_FOUND if err.status == 404
+                                  else INVALID_REQUEST)
+        return JSONResponse({"name": name, "mode": state.mode.value,
+                             "calls_in_flight": self._admission.calls_on(name)})
+
+    async def remove_worker(self, request: Request) -> Response:
+        """``DELETE /sluice/workers/{name}``: a drained or sleeping worker with nothing in flight."""
+        if (denied := self._deny(request)) is not None:
+            return denied
+        name = request.path_params["name"]
+        try:
+            await self._workers.remove(name)
+        except MembershipError as err:
+            return error_response(err.status, str(err), NOT_FOUND if err.status == 404
+                                  else INVALID_REQUEST)
+        return JSONResponse({"removed": name})
 
     async def config(self, request: Request) -> Response:
         if (denied := self._deny(request)) is not None:

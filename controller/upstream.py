@@ -356,17 +356,28 @@ class UpstreamPool:
             max_idle_connections=config.max_keepalive_connections,
             idle_expiry_s=config.idle_expiry_s,
         )
+        self._timeout, self._limits = timeout, limits
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._relays: dict[str, WorkerConnections] = {}
+        self.urls: dict[str, str] = {}
+        for worker in workers:
+            self.add(worker)
+
+    def add(self, worker: WorkerConfig) -> None:
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
-        self._clients = {
-            worker.name: httpx.AsyncClient(
-                base_url=worker.url, timeout=timeout, trust_env=False, follow_redirects=False,
-                limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
-            )
-            for worker in workers
-        }
-        self._relays = {worker.name: WorkerConnections(worker.url, limits) for worker in workers}
-        self.urls = {worker.name: worker.url for worker in workers}
+        self._clients[worker.name] = httpx.AsyncClient(
+            base_url=worker.url, timeout=self._timeout, trust_env=False, follow_redirects=False,
+            limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
+        )
+        self._relays[worker.name] = WorkerConnections(worker.url, self._limits)
+        self.urls[worker.name] = worker.url
+
+    async def remove(self, name: str) -> None:
+        relay, client = self._relays.pop(name), self._clients.pop(name)
+        del self.urls[name]
+        await relay.aclose()
+        await client.aclose()
 
     def client(self, worker: str) -> httpx.AsyncClient:
         return self._clients[worker]

@@ -16,13 +16,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 
 from controller.admission import Admission
-from controller.serve_config import ServeConfig
+from controller.serve_config import ServeConfig, WorkerConfig
 from controller.upstream import UpstreamPool
 
 _INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}\s+\S+", re.MULTILINE)
@@ -54,6 +56,28 @@ def capacity_from_metrics(text: str) -> int:
     return total
 
 
+class WorkerMode(str, Enum):
+    """What the operator asked of a worker (its health is separate: a check's finding).
+
+    SERVING takes calls; DRAINING takes no new ones and lets its calls finish (then it can be
+    removed); ASLEEP takes none and its KV counts as gone (an RL trainer's weight sync:
+    vLLM's sleep mode drops the cache), until it is woken. Calls that find no SERVING worker
+    but one ASLEEP are held for it rather than refused."""
+
+    SERVING = "serving"
+    DRAINING = "draining"
+    ASLEEP = "asleep"
+
+
+class MembershipError(ValueError):
+    """An operator's membership request that cannot be done (unknown worker, calls still in
+    flight, a name taken); ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass(slots=True)
 class WorkerState:
     name: str
@@ -61,6 +85,7 @@ class WorkerState:
     capacity_tokens: int | None
     capacity_source: str | None
     healthy: bool = True
+    mode: WorkerMode = WorkerMode.SERVING
     failures: int = 0
     last_error: str | None = None
     last_check_unix: float | None = None
@@ -80,17 +105,81 @@ class WorkerRegistry:
                                 "config" if w.capacity_tokens else None)
             for w in config.workers
         }
+        self._tasks: anyio.abc.TaskGroup | None = None
 
     def healthy_names(self) -> list[str]:
-        return [s.name for s in self.states.values() if s.healthy]
+        """Workers that take calls now: healthy and serving."""
+        return [s.name for s in self.states.values() if _available(s)]
+
+    def can_take_calls(self) -> bool:
+        """Whether a call should wait rather than be refused: some worker serves, or one is
+        asleep and will be woken."""
+        return any(_available(s) or (s.healthy and s.mode is WorkerMode.ASLEEP)
+                   for s in self.states.values())
 
     async def run(self) -> None:
         """Health checks and capacity probes until cancelled."""
         async with anyio.create_task_group() as tg:
+            self._tasks = tg
             tg.start_soon(self._health_loop)
             for state in self.states.values():
                 if state.capacity_tokens is None:
                     tg.start_soon(self._capacity_loop, state)
+
+    # -- membership (the admin API's /sluice/workers) ----------------------------------------
+
+    async def add(self, worker: WorkerConfig) -> WorkerState:
+        """Add a worker at run time. Its KV events are not subscribed to (that needs a
+        restart with it in the config): its U is the usage-based estimate."""
+        if worker.name in self.states:
+            raise MembershipError(f"a worker named {worker.name!r} exists already")
+        state = WorkerState(worker.name, worker.url, worker.capacity_tokens,
+                            "config" if worker.capacity_tokens else None)
+        self._pool.add(worker)
+        await self._admission.add_worker(worker.name, worker.capacity_tokens)
+        self.states[worker.name] = state
+        if state.capacity_tokens is None and self._tasks is not None:
+            self._tasks.start_soon(self._capacity_loop, state)
+        self._log.info("worker added", worker=worker.name, url=worker.url,
+                       capacity_tokens=worker.capacity_tokens)
+        await self.check_health(state)
+        return state
+
+    async def set_mode(self, name: str, mode: WorkerMode) -> WorkerState:
+        state = self._state(name)
+        if state.mode is mode:
+            return state
+        was_available = _available(state)
+        state.mode = mode
+        if mode is WorkerMode.ASLEEP:
+            # Its engine drops its KV to sleep: the index forgets it now rather than on the
+            # engine's AllBlocksCleared (which may never come if the engine sleeps at once).
+            await self._admission.reset_worker_kv(name)
+        if _available(state) != was_available:
+            await self._admission.set_worker_health(name, _available(state))
+        self._log.info("worker mode", worker=name, mode=mode.value,
+                       calls_in_flight=self._admission.calls_on(name))
+        return state
+
+    async def remove(self, name: str) -> None:
+        """Remove a drained (or sleeping) worker with no call in flight."""
+        state = self._state(name)
+        if state.mode is WorkerMode.SERVING:
+            raise MembershipError(f"worker {name!r} is serving: drain it first")
+        in_flight = self._admission.calls_on(name)
+        if in_flight:
+            raise MembershipError(f"worker {name!r} still has {in_flight} call(s) in flight; "
+                                  "remove it once they finish")
+        await self._admission.remove_worker(name)
+        del self.states[name]
+        await self._pool.remove(name)
+        self._log.info("worker removed", worker=name)
+
+    def _state(self, name: str) -> WorkerState:
+        state = self.states.get(name)
+        if state is None:
+            raise MembershipError(f"no worker named {name!r}", status=404)
+        return state
 
     # -- capacity ----------------------------------------------------------------------
 
@@ -134,7 +223,7 @@ class WorkerRegistry:
 
     async def check_all(self) -> None:
         async with anyio.create_task_group() as tg:
-            for state in self.states.values():
+            for state in list(self.states.values()):
                 tg.start_soon(self.check_health, state)
 
     async def mark_unreachable(self, worker: str, problem: str) -> None:
@@ -147,7 +236,8 @@ class WorkerRegistry:
         if not state.healthy:
             return
         state.healthy = False
-        await self._admission.set_worker_health(worker, False)
+        if state.mode is WorkerMode.SERVING:
+            await self._admission.set_worker_health(worker, False)
         self._log.warning("worker unreachable; taken out at once, its programs re-homed",
                           worker=worker, problem=problem)
 
@@ -161,19 +251,28 @@ class WorkerRegistry:
                 problem = f"/health answered {response.status_code}"
         except httpx.HTTPError as err:
             problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        if self.states.get(state.name) is not state:
+            return  # removed while its check ran
         state.last_check_unix = self._wall()
+        serving = state.mode is WorkerMode.SERVING  # else the policy has it out already
         if problem is None:
             state.failures = 0
             state.last_error = None
             if not state.healthy:
                 state.healthy = True
-                await self._admission.set_worker_health(state.name, True)
+                if serving:
+                    await self._admission.set_worker_health(state.name, True)
                 self._log.info("worker healthy again", worker=state.name)
             return
         state.failures += 1
         state.last_error = problem
         if state.healthy and state.failures >= self._config.unhealthy_after:
             state.healthy = False
-            await self._admission.set_worker_health(state.name, False)
+            if serving:
+                await self._admission.set_worker_health(state.name, False)
             self._log.warning("worker unhealthy; its programs are re-homed", worker=state.name,
                               problem=problem, failures=state.failures)
+
+
+def _available(state: WorkerState) -> bool:
+    return state.healthy and state.mode is WorkerMode.SERVING

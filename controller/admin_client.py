@@ -1,0 +1,99 @@
+"""A Python client of the gateway's admin API (``/sluice/*``), for operators' scripts and
+RL trainers: list the fleet and its programs, add, drain, put to sleep, wake and remove
+workers at run time.
+
+A weight sync with it (every engine sleeps while the trainer updates it)::
+
+    admin = SluiceAdmin("http://gateway:8080", token)
+    for name in engines:
+        admin.sleep(name)              # no new calls; its KV counts as gone
+    admin.wait_idle(engines)           # calls already running finish
+    ...sleep the engines, sync weights, wake them...
+    for name in engines:
+        admin.wake(name)               # calls held meanwhile go ahead
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+
+class AdminError(RuntimeError):
+    """The gateway refused an admin request; ``status`` is its HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class SluiceAdmin:
+    def __init__(self, url: str, token: str, *, timeout_s: float = 10.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self._client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, trust_env=False,
+                                    headers={"Authorization": f"Bearer {token}"},
+                                    transport=transport)
+
+    def __enter__(self) -> SluiceAdmin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        return {w["name"]: w for w in self._call("GET", "/sluice/workers")["workers"]}
+
+    def programs(self) -> dict[str, dict[str, Any]]:
+        return {p["session_id"]: p for p in self._call("GET", "/sluice/programs")["programs"]}
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add_worker(self, name: str, url: str, capacity_tokens: int | None = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": name, "url": url}
+        if capacity_tokens is not None:
+            entry["capacity_tokens"] = capacity_tokens
+        return self._call("POST", "/sluice/workers", json=entry)
+
+    def drain(self, name: str) -> dict[str, Any]:
+        return self._call("POST", f"/sluice/workers/{name}/drain")
+
+    def sleep(self, name: str) -> dict[str, Any]:
+        return self._call("POST", f"/sluice/workers/{name}/sleep")
+
+    def wake(self, name: str) -> dict[str, Any]:
+        return self._call("POST", f"/sluice/workers/{name}/wake")
+
+    def remove(self, name: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/sluice/workers/{name}")
+
+    def wait_idle(self, names: Iterable[str], timeout_s: float = 600.0,
+                  poll_s: float = 0.2) -> None:
+        """Until none of ``names`` has a call in flight (TimeoutError past ``timeout_s``)."""
+        wanted = set(names)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            busy = {name: w["calls_in_flight"] for name, w in self.workers().items()
+                    if name in wanted and w["calls_in_flight"]}
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"calls still in flight after {timeout_s:g} s: {busy}")
+            time.sleep(poll_s)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._client.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise AdminError(response.status_code, message)
+        return response.json()
