@@ -1,4 +1,4 @@
-# Sluice — every target sets itself up from nothing (DESIGN.md §1).
+# Sluice — every target sets itself up from nothing (docs/architecture.md §1).
 #
 #   make demo    run the scripted two-policy demo
 #   make test    run the test suite

@@ -26,7 +26,7 @@ SEND_HWM = 10_000
 
 
 def kv_action(action: Directive, action_id: str) -> KvAction:
-    """The policy's directive as the envelope's action (the wire names of DESIGN.md §5)."""
+    """The policy's directive as the envelope's action (the wire names of architecture.md §5.4)."""
     match action:
         case Retain():
             return KvRetain(RetainPayload(action.session_id, action.priority, action.ttl_s,

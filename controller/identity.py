@@ -1,6 +1,6 @@
 """Who a request belongs to, and where its prompt sits among the ones seen before.
 
-DESIGN.md §5 "Identity" and §2 "Coordinates". :func:`resolve_identity` reads the session id
+architecture.md §5.2 "Identity" and §2 "Coordinates". :func:`resolve_identity` reads the session id
 from the first identity source a request carries (headers first, then body fields, then a
 hash of the conversation's opening), the parent session and the ``final`` flag, mints the
 continuation chain of the prompt, estimates its token counts, and returns the body to forward
@@ -33,7 +33,7 @@ ROUTE_RESPONSES = "/v1/responses"
 ROUTE_MESSAGES = "/v1/messages"
 ROUTES = frozenset({ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_RESPONSES, ROUTE_MESSAGES})
 
-# DESIGN §5, in order. The claude-code slot also reads the agent header (a child session).
+# architecture.md §5.2, in order. The claude-code slot also reads the agent header (a child session).
 SESSION_HEADERS = ("x-dynamo-session-id", "x-claude-code-session-id", "thread-id", "x-session-id")
 CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
 CLAUDE_CODE_AGENT_HEADER = "x-claude-code-agent-id"

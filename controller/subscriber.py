@@ -1,4 +1,4 @@
-"""KV events from the engines into the policy's index (DESIGN.md §5, "KV events").
+"""KV events from the engines into the policy's index (architecture.md §5.3, "KV events").
 
 Two layouts, both on pyzmq's asyncio sockets:
 
@@ -103,7 +103,7 @@ BACKOFF_RESET_AFTER_S = 30.0
 
 def publisher_epoch(frames: list[bytes]) -> bytes | None:
     """The publisher's epoch, if the message carries one: the hook for the Sluice engine
-    plugin's per-start stamp (DESIGN.md §5, plugin (d)), sent as a fourth frame. vLLM's
+    plugin's per-start stamp (architecture.md §5.4 (d)), sent as a fourth frame. vLLM's
     own publisher sends three frames, so its restarts show as seq going backwards."""
     return frames[3] if len(frames) > 3 and frames[3] else None
 

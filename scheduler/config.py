@@ -1,7 +1,7 @@
 """Typed configuration (pydantic). Shells read the YAML; parsing and validation live here.
 
 Defaults of the program-aware policy are those published for the Dynamo port of
-ThunderAgent (DESIGN.md §3). Every validation error names the key it is about, with its
+ThunderAgent (architecture.md §3). Every validation error names the key it is about, with its
 full dotted path, so an operator can find the line to fix.
 """
 
@@ -48,7 +48,7 @@ class _Strict(BaseModel):
 
 
 class RetentionConfig(_Strict):
-    """Retention-bias directives sent to engines (DESIGN.md §3 "Retention")."""
+    """Retention-bias directives sent to engines (architecture.md §3 "Retention")."""
 
     enabled: bool = True
     active_priority: Annotated[int, Field(ge=0, le=100)] = 90
@@ -58,7 +58,7 @@ class RetentionConfig(_Strict):
 
 
 class BaselineConfig(_Strict):
-    """Parameters of the baselines (DESIGN.md §4); each policy's docstring gives its source."""
+    """Parameters of the baselines (docs/architecture.md §4); each policy's docstring gives its source."""
 
     # least_loaded (VERL): sessions remembered for stickiness.
     sticky_lru_size: Annotated[int, Field(ge=1)] = 10_000

@@ -1,4 +1,4 @@
-"""Session and continuation coordinates (DESIGN.md §2 "Coordinates").
+"""Session and continuation coordinates (architecture.md §2 "Coordinates").
 
 A session id names one program. A continuation id names an exact content prefix:
 ``c0 = H(namespace, model, cache_salt, canonical(tools))`` and

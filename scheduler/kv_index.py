@@ -1,4 +1,4 @@
-"""The KV index: which blocks each worker holds, and whose they are (DESIGN.md §2).
+"""The KV index: which blocks each worker holds, and whose they are (architecture.md §2).
 
 Fed by decoded KV events, per worker. It answers the ledger's and the routers' questions:
 how many tokens of a session are resident on a worker (a block counts once per session,

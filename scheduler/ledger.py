@@ -1,4 +1,4 @@
-"""The ledger: per-worker capacity, assigned programs and utilization (DESIGN.md §2).
+"""The ledger: per-worker capacity, assigned programs and utilization (architecture.md §2).
 
 ``U_w = (Σ_{p active on w} weight(p)·demand(p) − shared_w + buffer·n_w) / capacity_w``
 

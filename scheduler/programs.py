@@ -1,9 +1,9 @@
-"""The program state machine (DESIGN.md §2 "Programs").
+"""The program state machine (architecture.md §2 "Programs").
 
 A program is one agent run, keyed by its session id. Its ``phase`` is REASONING while at
 least one of its calls is in flight and ACTING between a response and the next request.
 Its ``lifecycle`` is PENDING until it is first placed on a worker, then ACTIVE or PAUSED.
-PENDING is the one state DESIGN.md's two-valued lifecycle leaves implicit: a new program
+PENDING is the one state v1's two-valued lifecycle leaves implicit: a new program
 the policy holds has no home worker and nothing resident yet, so it is neither.
 
 Every transition is a method that checks the current state; an illegal one raises

@@ -1,4 +1,4 @@
-"""The order in which parked programs are resumed (DESIGN.md §3 "Resume").
+"""The order in which parked programs are resumed (architecture.md §3 "Resume").
 
 Groups first (a paused program with a waiting call, then a new program, then an idle
 paused one); inside a group, smallest first with aging: a program's size counts half for

@@ -18,7 +18,7 @@ What is kept exactly, because hit rates and events depend on it:
 Since every free block without a hash precedes every cached one in vLLM's queue, the pool
 keeps them in a queue of their own that is always served first.
 
-Sluice adds the retention bias of DESIGN.md §5 (the engine plugin's semantics): a free
+Sluice adds the retention bias of architecture.md §5.4 (the engine plugin's semantics): a free
 block sits in the queue of its eviction class; allocation takes from the lowest class
 first, LRU inside a class. Without directives every block is in the normal class and the
 pool is vLLM's. Retained sessions' blocks wait in a higher class until the TTL runs out;

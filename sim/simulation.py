@@ -1,5 +1,5 @@
 """The offline shell: a fleet of simulated engines driven by the *same* policy objects the
-gateway runs, in virtual time (DESIGN.md §1, §5 "sim/").
+gateway runs, in virtual time (architecture.md §1, §5.6).
 
 The driver only feeds the policy observations (arrivals, completions with usage, KV event
 batches from the engines, ticks) and carries out its decisions: an ``Admit`` queues the

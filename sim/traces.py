@@ -1,4 +1,4 @@
-"""Trace loaders (DESIGN.md §5 "sim/", "Traces"): recorded traffic as programs to replay.
+"""Trace loaders (architecture.md §5.6): recorded traffic as programs to replay.
 
 Every loader returns ``(programs, block_size)``: :class:`sim.programs.ProgramSpec` objects
 whose calls carry explicit ``hashes`` (the prompt's full-block hashes at ``block_size``

@@ -1,4 +1,4 @@
-"""Synthetic agent workloads (DESIGN.md §5 "sim/", "Workloads"): programs to play.
+"""Synthetic agent workloads (architecture.md §5.6): programs to play.
 
 Three generators, all deterministic given ``seed`` and a program's ``index`` and independent
 of the order programs are asked for (each program draws from its own

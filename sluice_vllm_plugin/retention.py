@@ -144,7 +144,7 @@ class ClassedFreeQueue(_FreeQueue):
       (``prepend_n``) or its tail (``append_n``), so these are always its first ``len(_front)``
       blocks. Hand-out order is: those, side classes below 50, the rest of the list, side
       classes above 50.
-    * Ownership (DESIGN.md §5, ``sim/block_pool.py``): a cached block belongs to the session
+    * Ownership (architecture.md §5.4, ``sim/block_pool.py``): a cached block belongs to the session
       whose free last brought it to ref count 0, is forgotten when the block is handed out
       again, and a directive re-classes a session's free blocks in the order they became its
       own. Rather than a per-session index updated per block, each free under a session appends

@@ -59,7 +59,7 @@ class Policy(ABC):
     """Shared state and bookkeeping; subclasses decide placement and pausing."""
 
     name: str = "abstract"
-    # Whether a shell runs a tick right after each completion (DESIGN.md §3), besides the
+    # Whether a shell runs a tick right after each completion (architecture.md §3), besides the
     # periodic one. Baselines published with a fixed scheduler loop say False.
     ticks_after_completion: bool = True
 

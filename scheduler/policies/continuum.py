@@ -1,4 +1,4 @@
-"""Continuum: keep a program's KV through its tool call with a time-to-live (DESIGN.md §4).
+"""Continuum: keep a program's KV through its tool call with a time-to-live (docs/architecture.md §4).
 
 Source: "Continuum: Efficient and Robust Multi-Turn LLM Agent Scheduling with KV Cache
 Time-to-Live" (arXiv 2511.02230). When a call ends in a tool call, the program's KV is

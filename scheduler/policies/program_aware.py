@@ -1,4 +1,4 @@
-"""Sluice's program-aware policy: DESIGN.md §3 (v1) with the v2 rules of
+"""Sluice's program-aware policy: architecture.md §3 (v1) with the v2 rules of
 docs/design-notes.md "Policy v2".
 
 A tick runs, in order: release idle programs → dormancy → overdue calls → resume → pause →

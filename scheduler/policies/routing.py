@@ -1,5 +1,5 @@
 """Routers without admission control: round robin, VERL's least-loaded, SkyRL's sticky
-least-loaded and Dynamo's KV router (DESIGN.md §4).
+least-loaded and Dynamo's KV router (docs/architecture.md §4).
 
 They never hold a call while a healthy worker exists and never pause: every call is
 admitted on arrival, in arrival order. They differ only in where it goes.

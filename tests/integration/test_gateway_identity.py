@@ -1,4 +1,4 @@
-"""Every identity source DESIGN.md §5 lists reaches the policy through the gateway: the
+"""Every identity source architecture.md §5.2 lists reaches the policy through the gateway: the
 program appears under that session id in /sluice/programs, and the worker sees it as
 ``session_id`` and ``X-Session-ID`` with a gateway-minted continuation id."""
 

@@ -1,4 +1,4 @@
-"""The baselines behave as their sources document (DESIGN.md §4; sources in each policy's
+"""The baselines behave as their sources document (architecture.md §4; sources in each policy's
 docstring): VERL's least-loaded router, Dynamo's KV router, SkyRL's sticky least-loaded,
 ThunderAgent as published, Continuum's TTL pinning, and plain round robin."""
 

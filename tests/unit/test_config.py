@@ -1,4 +1,4 @@
-"""Typed configuration (DESIGN.md §2 "Config", §3 defaults): clear errors naming the key."""
+"""Typed configuration (architecture.md §2 "Config", §3 defaults): clear errors naming the key."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from scheduler.config import (
     parse_policy_yaml,
 )
 
-# DESIGN.md §3, "Defaults are those published for the Dynamo port of ThunderAgent".
+# The v1 defaults: those published for the Dynamo port of ThunderAgent.
 DESIGN_DEFAULTS = {
     "pause_threshold": 0.95,
     "pause_target": 0.80,
@@ -35,19 +35,19 @@ DESIGN_DEFAULTS = {
     "idle_release_s": 600,
     "tick_interval_s": 1.0,
 }
-# Policy v2 departs from DESIGN.md §3 on these (docs/design-notes.md "Policy v2": the v1
+# Policy v2 departs from v1 on these (docs/design-notes.md "Policy v2": the v1
 # values held ~15% of the pool back and lost to plain balancing below real thrash).
 V2_DEPARTURES = {
     "pause_threshold": 1.0,
     "pause_target": 0.98,
     "resume_hysteresis": 0.03,
 }
-# DESIGN.md's signed soft_band_penalty is now soft_band_delay_s, its magnitude.
+# v1's signed soft_band_penalty is now soft_band_delay_s, its magnitude.
 RENAMED = {"soft_band_penalty": ("soft_band_delay_s", abs)}
 
 
 def default_of(config, key: str):
-    """``config``'s value of a DESIGN.md key, through its rename if it has one."""
+    """``config``'s value of a v1 key, through its rename if it has one."""
     name, convert = RENAMED.get(key, (key, None))
     return getattr(config, name), convert
 
@@ -56,34 +56,24 @@ def default_of(config, key: str):
 
 
 @pytest.mark.parametrize("key, value", sorted({**DESIGN_DEFAULTS, **V2_DEPARTURES}.items()))
-def test_program_aware_defaults_equal_design_section_3_except_the_v2_departures(key, value):
+def test_program_aware_defaults_are_v1s_except_the_v2_departures(key, value):
     for config in (ProgramAwareConfig(), PolicyConfig()):
         actual, convert = default_of(config, key)
         assert actual == (convert(value) if convert else value)
 
 
-def _design_md() -> Path | None:
-    root = Path(__file__).resolve().parents[2]
-    for candidate in (root / "shared" / "DESIGN.md", root.parent / "shared" / "DESIGN.md"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def test_design_table_and_the_defaults_list_the_same_keys_and_values():
-    path = _design_md()
-    if path is None:
-        pytest.skip("DESIGN.md is not beside this checkout")
-    text = path.read_text(encoding="utf-8")
-    section = text.split("## 3.", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([-0-9.]+)\s*\|", section, flags=re.M)
-    table = {key: float(value) for key, value in rows}
-    assert table == {k: float(v) for k, v in DESIGN_DEFAULTS.items()}
+def test_the_architecture_docs_defaults_table_matches_the_config():
+    """docs/architecture.md §3 lists each program_aware key with its default: the reader's
+    reference cannot drift from the code."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    section = path.read_text(encoding="utf-8").split("## 3.", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*([a-z_, ]+?)\s*\|\s*([-0-9., ]+?)\s*(?:\([^)]*\))?\s*\|", section,
+                      flags=re.M)
+    assert len(rows) >= 12
     defaults = ProgramAwareConfig()
-    for key, value in table.items():
-        expected = V2_DEPARTURES.get(key, value)
-        actual, convert = default_of(defaults, key)
-        assert float(actual) == (convert(expected) if convert else expected), key
+    for keys, values in rows:
+        for key, value in zip(keys.split(", "), values.split(", "), strict=True):
+            assert float(getattr(defaults, key)) == float(value), key
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():

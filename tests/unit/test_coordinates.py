@@ -1,4 +1,4 @@
-"""Coordinates (DESIGN.md §2): session-id validation, canonical bytes, continuation chains."""
+"""Coordinates (architecture.md §2): session-id validation, canonical bytes, continuation chains."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_ids_are_32_lowercase_hex_chars():
 
 
 def test_ids_are_128_bit_blake2b_of_length_prefixed_parts():
-    # Recompute independently from DESIGN §2: blake2b(digest_size=16) over the parts, each
+    # Recompute independently from architecture.md §2: blake2b(digest_size=16) over the parts, each
     # preceded by its 8-byte big-endian length.
     def h(*parts: bytes) -> str:
         d = hashlib.blake2b(digest_size=16)

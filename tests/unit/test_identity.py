@@ -1,4 +1,4 @@
-"""Request identity (DESIGN.md §5 "Identity", §2 "Coordinates"): session sources in order,
+"""Request identity (architecture.md §5.2 "Identity", §2 "Coordinates"): session sources in order,
 parents, the final flag, id validation, the body to forward, the minted chain and token
 estimates, malformed shapes."""
 

@@ -1,4 +1,4 @@
-"""The KV index (DESIGN.md §2): stored / removed / cleared semantics as kv_index.py documents.
+"""The KV index (architecture.md §2): stored / removed / cleared semantics as kv_index.py documents.
 
 Ends with a property test: after every step of a random event history, the index agrees
 with a brute-force recount that replays the whole history from nothing.

@@ -1,4 +1,4 @@
-"""The ledger (DESIGN.md §2): ``U_w`` per worker, kept in step with programs as they change.
+"""The ledger (architecture.md §2): ``U_w`` per worker, kept in step with programs as they change.
 
 ``U_w = (Σ_{p active on w} weight(p)·demand(p) − shared_w + buffer·n_w) / capacity_w``
 """

@@ -1,4 +1,4 @@
-"""The program-aware policy, rule by rule (DESIGN.md §3).
+"""The program-aware policy, rule by rule (architecture.md §3).
 
 Most tests run with ``buffer_per_program=0`` and ``growth_reserve_tokens=0`` on workers of
 1,000 tokens, so a program of ``n`` tokens moves ``U`` by exactly ``n/1000`` and every

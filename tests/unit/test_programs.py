@@ -1,4 +1,4 @@
-"""The program state machine (DESIGN.md §2 "Programs"): legal and illegal transitions."""
+"""The program state machine (architecture.md §2 "Programs"): legal and illegal transitions."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The functional core stays pure (DESIGN.md §2): no I/O stack, no clock, no randomness.
+"""The functional core stays pure (architecture.md §2): no I/O stack, no clock, no randomness.
 
 Checked twice: dynamically (what importing every module of ``scheduler`` pulls into a fresh
 interpreter) and statically (what each source file's import statements name).

@@ -1,6 +1,6 @@
 """Trace loaders (sim/traces.py): valid fixtures, session inference, exact error locations.
 
-Every fixture is written by the test into ``tmp_path``; nothing here reads ../shared/data.
+Every fixture is written by the test into ``tmp_path``; nothing here reads data from outside the repository.
 """
 
 from __future__ import annotations
