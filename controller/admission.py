@@ -10,7 +10,7 @@ carries out what comes back; it decides nothing itself.
 - Actions: ``Admit`` wakes its waiter with the worker; ``Release`` refuses the released
   program's held calls (503) and, like ``Retain``/``Demote``, goes to the
   :class:`DirectiveSink` (a logging no-op until the directive sender exists);
-  ``Pause``/``Resume``/``Mark`` are logged (the policy counts them in ``policy.stats``).
+  ``Pause``/``Resume``/``Mark`` are logged (the policy counts them in its stats).
 - A waiter cancelled (its client went away) is aborted in the policy: a held call simply
   disappears, one admitted meanwhile ends without usage.
 - Bounds (``limits:``): a call that would start a program past ``max_programs``, or be held
@@ -40,6 +40,7 @@ from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy, UnknownCall
+from scheduler.snapshot import PolicySnapshot, ProgramView
 
 Directive = Retain | Demote | Release
 
@@ -324,12 +325,12 @@ class Admission:
                 await self.tick()
             except Exception:
                 self._log.exception("tick failed", policy=self.policy.name,
-                                     programs=len(self.policy.programs), held=self.held)
+                                     programs=self.policy.program_count(), held=self.held)
 
     async def release(self, session_id: str, reason: str) -> bool:
         """End a program (operator); False when there is no such program."""
         async with self._lock:
-            if session_id not in self.policy.programs:
+            if not self.policy.has_program(session_id):
                 return False
             now = self._clock()
             actions = self.policy.release(session_id, now, reason)
@@ -349,6 +350,14 @@ class Admission:
                 self.policy.reset_worker_kv(worker)
             actions += self._tick(now)
             self._carry_out(actions, now)
+
+    def snapshot(self, with_programs: bool = True) -> PolicySnapshot:
+        """What the policy holds, frozen, for metrics and admin views (no lock needed: the
+        policy runs on this thread only, and a snapshot is taken in one go)."""
+        return self.policy.snapshot(with_programs)
+
+    def program_view(self, session_id: str) -> ProgramView | None:
+        return self.policy.program_view(session_id)
 
     def calls_on(self, worker: str) -> int:
         return self.policy.calls_on(worker)

@@ -461,7 +461,7 @@ class _Gateway:
         healthy = self.parts.workers.healthy_names()
         if not healthy:
             return None
-        program = self.parts.admission.policy.programs.get(session_id)
+        program = self.parts.admission.program_view(session_id)
         if program is not None and program.home_worker in healthy:
             return program.home_worker
         return healthy[0]

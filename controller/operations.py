@@ -20,9 +20,8 @@
 from __future__ import annotations
 
 import hmac
-import math
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,7 +41,7 @@ from controller.serve_config import ServeConfig, WorkerConfig, load_serve_config
 from controller.subscriber import KvEventSubscriber
 from controller.workers import MembershipError, WorkerMode, WorkerRegistry
 from scheduler.config import ConfigError, format_validation_errors
-from scheduler.kv_index import KVIndex
+from scheduler.snapshot import WorkerView
 from scheduler.programs import Lifecycle, Phase
 
 HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -57,36 +56,36 @@ class _PolicyCollector(Collector):
         self._admission = admission
 
     def collect(self) -> Iterator[Any]:
-        policy = self._admission.policy
+        snapshot = self._admission.snapshot()
         programs = GaugeMetricFamily(
             "sluice_programs", "Programs by lifecycle and phase.", labels=["lifecycle", "phase"]
         )
         counts = {(lc.value, ph.value): 0 for lc in Lifecycle for ph in Phase}
-        for program in policy.programs.values():
-            counts[(program.lifecycle.value, program.phase.value)] += 1
+        for program in snapshot.programs:
+            counts[(program.lifecycle, program.phase)] += 1
         for (lifecycle, phase), n in counts.items():
             programs.add_metric([lifecycle, phase], n)
         yield programs
-        stats = policy.stats
-        for name, value, text in (
-            ("sluice_pauses", stats.pauses, "Programs paused by the policy."),
-            ("sluice_resumes", stats.resumes, "Paused programs resumed."),
-            ("sluice_forced_resumes", stats.forced_resumes, "Programs resumed by force_resume_after_s."),
-            ("sluice_marks", stats.marks, "Programs marked to pause at their next tool boundary."),
-            ("sluice_holds", stats.held, "Calls held on arrival."),
-            ("sluice_admissions", stats.admitted, "Calls dispatched to a worker."),
-            ("sluice_releases", stats.releases, "Programs released (final, idle or operator)."),
-            ("sluice_wait_limit_resumes", stats.wait_limit_resumes,
+        stats = snapshot.stats
+        for name, key, text in (
+            ("sluice_pauses", "pauses", "Programs paused by the policy."),
+            ("sluice_resumes", "resumes", "Paused programs resumed."),
+            ("sluice_forced_resumes", "forced_resumes", "Programs resumed by force_resume_after_s."),
+            ("sluice_marks", "marks", "Programs marked to pause at their next tool boundary."),
+            ("sluice_holds", "held", "Calls held on arrival."),
+            ("sluice_admissions", "admitted", "Calls dispatched to a worker."),
+            ("sluice_releases", "releases", "Programs released (final, idle or operator)."),
+            ("sluice_wait_limit_resumes", "wait_limit_resumes",
              "Programs resumed because a call of theirs was held max_wait_s."),
-            ("sluice_dormant", stats.dormant,
+            ("sluice_dormant", "dormant",
              "Programs found long in a tool call (their KV stopped counting in U)."),
         ):
-            yield CounterMetricFamily(name, text, value=value)
+            yield CounterMetricFamily(name, text, value=stats[key])
         adaptive = GaugeMetricFamily(
             "sluice_policy_adaptive",
             "Settings the policy learns online, by name (dormancy_cutoff_s: seconds in a tool "
             "call after which a program counts as dormant).", labels=["setting"])
-        for setting, value in sorted(policy.adaptive_settings().items()):
+        for setting, value in sorted(snapshot.adaptive.items()):
             adaptive.add_metric([setting], value)
         yield adaptive
         yield GaugeMetricFamily("sluice_calls_held", "Calls waiting in the gateway now.",
@@ -119,18 +118,16 @@ class _PolicyCollector(Collector):
             "1 when U uses the worker's KV index (its events flow), 0 when it is the usage-based "
             "estimate (continuation ancestry) because the worker has no events (yet, or since a reset).",
             labels=["worker"])
-        ledger = policy.ledger
-        for load in ledger.workers():
-            u = ledger.utilization(load.name)
-            if math.isfinite(u):
-                util.add_metric([load.name], u)
-            healthy.add_metric([load.name], 1.0 if load.healthy else 0.0)
-            if load.capacity_tokens:
-                capacity.add_metric([load.name], load.capacity_tokens)
-            placed.add_metric([load.name], len(load.programs))
-            source.add_metric([load.name], 1.0 if policy.index.has_events(load.name) else 0.0)
+        for worker in snapshot.workers:
+            if worker.utilization is not None:
+                util.add_metric([worker.name], worker.utilization)
+            healthy.add_metric([worker.name], 1.0 if worker.healthy else 0.0)
+            if worker.capacity_tokens:
+                capacity.add_metric([worker.name], worker.capacity_tokens)
+            placed.add_metric([worker.name], worker.programs)
+            source.add_metric([worker.name], 1.0 if worker.kv_events else 0.0)
         yield from (util, healthy, capacity, placed, source)
-        yield from _kv_index_families(policy.index)
+        yield from _kv_index_families(snapshot.workers)
         sink = self._admission.sink
         directives = CounterMetricFamily(
             "sluice_directives_sent", "Retention directives the policy issued, by kind.", labels=["kind"])
@@ -144,7 +141,7 @@ class _PolicyCollector(Collector):
         yield from (directives, dropped)
 
 
-def _kv_index_families(index: KVIndex) -> Iterator[Any]:
+def _kv_index_families(workers: Iterable[WorkerView]) -> Iterator[Any]:
     """Eviction counters of the policy's KV index (scheduler/kv_index.py), per worker."""
     evicted = CounterMetricFamily(
         "sluice_kv_evicted_tokens",
@@ -158,11 +155,10 @@ def _kv_index_families(index: KVIndex) -> Iterator[Any]:
         "sluice_kv_attributed_removals",
         "Evicted hashes the engine plugin attributed to the continuation that admitted them.",
         labels=["worker"])
-    for name in index.workers():
-        kv = index.worker(name)
-        evicted.add_metric([name], kv.evicted_tokens)
-        unknown.add_metric([name], kv.unknown_removals)
-        attributed.add_metric([name], kv.attributed_removals)
+    for worker in workers:
+        evicted.add_metric([worker.name], worker.evicted_tokens)
+        unknown.add_metric([worker.name], worker.unknown_removals)
+        attributed.add_metric([worker.name], worker.attributed_removals)
     yield from (evicted, unknown, attributed)
 
 
@@ -471,34 +467,30 @@ class AdminApi:
     async def programs(self, request: Request) -> Response:
         if (denied := self._deny(request)) is not None:
             return denied
-        policy = self._admission.policy
         now = self._clock()
-        items = []
-        for program in sorted(policy.programs.values(), key=lambda p: p.session_id):
-            items.append({
-                "session_id": program.session_id,
-                "parent_session_id": program.parent_session_id,
-                "lifecycle": program.lifecycle.value,
-                "phase": program.phase.value,
-                "marked": program.marked,
-                "home_worker": program.home_worker,
-                "context_tokens": program.context_tokens,
-                "in_flight": len(program.in_flight),
-                "waiting": len(program.waiting),
-                "steps": program.steps,
-                "age_s": round(now - program.created_at, 3),
-                "idle_s": round(now - program.last_activity, 3),
-            })
+        items = [{
+            "session_id": p.session_id,
+            "parent_session_id": p.parent_session_id,
+            "lifecycle": p.lifecycle,
+            "phase": p.phase,
+            "marked": p.marked,
+            "home_worker": p.home_worker,
+            "context_tokens": p.context_tokens,
+            "in_flight": p.in_flight,
+            "waiting": p.waiting,
+            "steps": p.steps,
+            "age_s": round(now - p.created_at, 3),
+            "idle_s": round(now - p.last_activity, 3),
+        } for p in sorted(self._admission.snapshot().programs, key=lambda p: p.session_id)]
         return JSONResponse({"programs": items, "count": len(items)})
 
     async def workers(self, request: Request) -> Response:
         if (denied := self._deny(request)) is not None:
             return denied
-        ledger = self._admission.policy.ledger
-        ledger_index = self._admission.policy.index
+        views = {w.name: w for w in self._admission.snapshot(with_programs=False).workers}
         items = []
         for state in self._workers.states.values():
-            u = ledger.utilization(state.name)
+            view = views[state.name]
             items.append({
                 "name": state.name,
                 "url": state.url,
@@ -506,14 +498,14 @@ class AdminApi:
                 "capacity_tokens": state.capacity_tokens,
                 "capacity_source": state.capacity_source,
                 "capacity_error": state.capacity_error,
-                "utilization": u if math.isfinite(u) else None,
+                "utilization": view.utilization,
                 # KV-event subscriber: "kv_index" once the worker's events flow, else "estimate"
-                "utilization_source": "kv_index" if ledger_index.has_events(state.name) else "estimate",
-                "programs": len(ledger.worker(state.name).programs),
+                "utilization_source": "kv_index" if view.kv_events else "estimate",
+                "programs": view.programs,
                 "last_error": state.last_error,
                 "last_check_unix": state.last_check_unix,
                 "mode": state.mode.value,
-                "calls_in_flight": self._admission.calls_on(state.name),
+                "calls_in_flight": view.calls_in_flight,
             })
         return JSONResponse({"workers": items})
 

@@ -6,7 +6,6 @@ commands (registered from ``entry.sim_commands``).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional

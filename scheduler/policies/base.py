@@ -12,6 +12,8 @@ every policy is measured on the same state.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ from scheduler.kv_events import EventBatch
 from scheduler.kv_index import KVIndex
 from scheduler.ledger import FixedTokenWeights, Ledger, TokenWeights
 from scheduler.programs import Program
+from scheduler.snapshot import PolicySnapshot, ProgramView, WorkerView
 
 
 class UnknownCall(KeyError):
@@ -269,6 +272,37 @@ class Policy(ABC):
 
     def healthy_workers(self) -> list[str]:
         return [load.name for load in self.ledger.workers() if load.healthy]
+
+    def snapshot(self, with_programs: bool = True) -> PolicySnapshot:
+        """A frozen picture of the policy for metrics and admin views (scheduler/snapshot.py)."""
+        in_flight: dict[str, int] = {}
+        for call in self.calls.values():
+            if call.worker is not None:
+                in_flight[call.worker] = in_flight.get(call.worker, 0) + 1
+        workers = []
+        for load in self.ledger.workers():
+            u = self.ledger.utilization(load.name)
+            kv = self.index.worker(load.name) if load.name in self.index.workers() else None
+            workers.append(WorkerView(
+                load.name, load.healthy, load.capacity_tokens, u if math.isfinite(u) else None,
+                len(load.programs), in_flight.get(load.name, 0), self.index.has_events(load.name),
+                kv.evicted_tokens if kv else 0, kv.unknown_removals if kv else 0,
+                kv.attributed_removals if kv else 0))
+        programs = tuple(
+            ProgramView(p.session_id, p.parent_session_id, p.lifecycle.value, p.phase.value,
+                        p.marked, p.home_worker, p.context_tokens, len(p.in_flight),
+                        len(p.waiting), p.steps, p.created_at, p.last_activity)
+            for p in self.programs.values()) if with_programs else ()
+        return PolicySnapshot(self.name, programs, tuple(workers),
+                              dataclasses.asdict(self.stats), self.adaptive_settings())
+
+    def program_view(self, session_id: SessionId) -> ProgramView | None:
+        p = self.programs.get(session_id)
+        if p is None:
+            return None
+        return ProgramView(p.session_id, p.parent_session_id, p.lifecycle.value, p.phase.value,
+                           p.marked, p.home_worker, p.context_tokens, len(p.in_flight),
+                           len(p.waiting), p.steps, p.created_at, p.last_activity)
 
     def has_program(self, session_id: SessionId) -> bool:
         return session_id in self.programs

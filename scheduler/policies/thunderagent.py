@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.actions import Action, Admit, Decision, Mark, Pause
+from scheduler.actions import Action, Decision, Mark, Pause
 from scheduler.config import ThunderAgentConfig
 from scheduler.ledger import FixedTokenWeights, TokenWeights
 from scheduler.programs import Phase, Program

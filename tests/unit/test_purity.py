@@ -96,3 +96,19 @@ def test_the_core_has_source_files_to_check():
     names = {p.name for p in _source_files()}
     assert {"coordinates.py", "calls.py", "programs.py", "kv_events.py", "kv_index.py",
             "ledger.py", "config.py", "actions.py"} <= names
+
+
+def test_the_shells_read_the_policy_only_through_its_snapshot_and_methods():
+    """The live shell shows the policy's state from ``Policy.snapshot()`` (frozen values),
+    never from its program table, ledger or index, which stay the policy's own."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    reaching_in = re.compile(r"policy\.(programs|ledger|index|calls|stats)\b")
+    offenders = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+                 for folder in ("controller", "entry", "ray_fleet", "simworker")
+                 for path in sorted((root / folder).rglob("*.py"))
+                 for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if reaching_in.search(line) and not line.lstrip().startswith("#")]
+    assert not offenders, "\n".join(offenders)
