@@ -476,8 +476,6 @@ class _Gateway:
         body = first.get("body", b"")
         if not first.get("more_body", False) and len(body) <= limit:
             return body  # the usual case: the whole body in one message
-        too_large = GatewayError(413, f"request body is over the limit of {limit} bytes",
-                                 TOO_LARGE)
 
         async def rest() -> AsyncIterator[bytes]:
             more = first.get("more_body", False)
@@ -488,34 +486,26 @@ class _Gateway:
                 more = message.get("more_body", False)
                 yield message.get("body", b"")
 
-        chunks = rest()
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _drain(chunks, int(declared))
-            raise too_large
-        parts = [body]
-        size = len(body)
-        if size > limit:
-            await _drain(chunks, size)
-            raise too_large
-        async for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                await _drain(chunks, size)
-                raise too_large
-            parts.append(chunk)
-        return b"".join(parts)
+        return await self._collect_body(rest(), declared, body)
 
     async def _read_body(self, request: Request) -> bytes:
+        return await self._collect_body(request.stream(), request.headers.get("content-length"))
+
+    async def _collect_body(self, chunks: AsyncIterator[bytes], declared: str | None,
+                            head: bytes = b"") -> bytes:
+        """``head`` and then ``chunks``, up to ``max_body_bytes`` (else 413, after reading and
+        dropping the rest so the client gets its answer instead of a reset)."""
         limit = self.config.max_body_bytes
         too_large = GatewayError(413, f"request body is over the limit of {limit} bytes",
                                  TOO_LARGE)
-        chunks = request.stream()
-        declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _drain(chunks, int(declared))
             raise too_large
-        parts: list[bytes] = []
-        size = 0
+        parts = [head]
+        size = len(head)
+        if size > limit:
+            await _drain(chunks, size)
+            raise too_large
         async for chunk in chunks:
             size += len(chunk)
             if size > limit:

@@ -145,9 +145,7 @@ def replay(
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math
 
-    from sim.runs import replay_programs
     from sim.simulation import ConversationLoop, OpenLoop, ProgramFeed
-    from sim.traces import TraceError
 
     names = _policies(policy)
     policy_config = _policy_config(config_path)
@@ -155,15 +153,7 @@ def replay(
     if time_scale <= 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     loader_options = _replay_loader_options(fmt, timing, warm_prefix)
-    try:
-        programs, block_size = replay_programs(fmt, trace, time_scale, **loader_options)
-    except TraceError as err:
-        raise usage_error(str(err)) from None
-    except (ValueError, OSError) as err:
-        raise usage_error(f"{trace}: {err}") from None
-    if not programs:
-        raise usage_error(f"{trace}: the trace holds no requests")
-    _check_fits(programs, preset, block_size, trace)
+    programs, block_size = load_trace(fmt, trace, time_scale, preset, **loader_options)
     span = trace_span_s(programs)
     typer.echo(f"{trace}: {sum(len(p.calls) for p in programs):,} calls in {len(programs):,} "
                f"sessions over {span:,.0f} s (block size {block_size})", err=True)
@@ -216,6 +206,24 @@ def _replay_loader_options(fmt: str, timing: Optional[str], warm_prefix: Optiona
 
 # an error names this many calls that cannot fit, then counts the rest
 _OFFENDERS_SHOWN = 20
+
+
+def load_trace(fmt: str, trace: Path, time_scale: float, preset: str, **loader_options):
+    """The trace's programs and block size; a trace that cannot be read, holds nothing or
+    holds a call no worker could fit is a usage error naming the problem."""
+    from sim.runs import replay_programs
+    from sim.traces import TraceError
+
+    try:
+        programs, block_size = replay_programs(fmt, trace, time_scale, **loader_options)
+    except TraceError as err:
+        raise usage_error(str(err)) from None
+    except (ValueError, OSError) as err:
+        raise usage_error(f"{trace}: {err}") from None
+    if not programs:
+        raise usage_error(f"{trace}: the trace holds no requests")
+    _check_fits(programs, preset, block_size, trace)
+    return programs, block_size
 
 
 def _check_fits(programs, preset: str, block_size: int, trace: Path) -> None:

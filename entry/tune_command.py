@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from entry.sim_commands import _check_fits, _check_preset, _command_line
+from entry.sim_commands import _check_preset, _command_line, load_trace
 from entry.usage_error import usage_error
 from sim import tuning
 from sim.report import format_table, with_ceiling_ratio
@@ -203,8 +203,6 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
                      holdout_seed: Optional[int], fraction: float, concurrency: Optional[int],
                      workers: int, preset: str, time_scale: float, drain: float,
                      duration: Optional[float]):
-    from sim.runs import replay_programs
-    from sim.traces import TraceError
 
     if workload is not None:
         raise usage_error("--workload and --format/--trace are two forms: give one")
@@ -217,15 +215,7 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
         raise usage_error(f"--holdout-fraction must be between 0 and 1, got {fraction}")
     if time_scale <= 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
-    try:
-        programs, block_size = replay_programs(fmt, trace, time_scale)
-    except TraceError as err:
-        raise usage_error(str(err)) from None
-    except (ValueError, OSError) as err:
-        raise usage_error(f"{trace}: {err}") from None
-    if not programs:
-        raise usage_error(f"{trace}: the trace holds no requests")
-    _check_fits(programs, preset, block_size, trace)
+    programs, block_size = load_trace(fmt, trace, time_scale, preset)
     try:
         tuning_part, held_part = tuning.held_back_split(programs, fraction)
     except ValueError as err:
