@@ -206,17 +206,31 @@ class Ledger:
 
     @staticmethod
     def _ancestry(load: WorkerLoad, chain: tuple[tuple[str, int], ...], delta: int) -> None:
+        """Count ``chain``'s nodes in (``delta`` +1) or out (−1) of the worker's ancestry; a
+        node's share ``tokens · max(0, count − 1)`` moves by its tokens exactly when it is
+        (or stays) held by two or more counted programs."""
         counts = load.ancestry_counts
-        for node, tokens in chain:
-            before = counts.get(node, 0)
-            after = before + delta
-            tokens = load.ancestry_tokens.setdefault(node, tokens)
-            if after:
-                counts[node] = after
-            else:
-                del counts[node]
-                del load.ancestry_tokens[node]
-            load.ancestry_shared += tokens * (max(0, after - 1) - max(0, before - 1))
+        tokens_of = load.ancestry_tokens
+        change = 0
+        if delta > 0:
+            for node, tokens in chain:
+                before = counts.get(node, 0)
+                if before:
+                    counts[node] = before + 1
+                    change += tokens_of[node]
+                else:
+                    counts[node] = 1
+                    tokens_of[node] = tokens  # a node keeps the size it was first seen with
+        else:
+            for node, _ in chain:
+                before = counts[node]  # counted in before: a chain leaves as it came
+                if before > 1:
+                    counts[node] = before - 1
+                    change -= tokens_of[node]
+                else:
+                    del counts[node]
+                    del tokens_of[node]
+        load.ancestry_shared += change
 
     # -- utilization ---------------------------------------------------------------------
 

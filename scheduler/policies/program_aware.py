@@ -387,7 +387,9 @@ class ProgramAwarePolicy(Policy):
                 continue
             capacity = load.capacity_tokens
             on_worker = [self.programs[s] for s in load.programs]
-            projected = self.projected_utilization(load.name)
+            # Pausing ACTING programs marks none, so the marked share stays what it is here.
+            marked = self._marked_tokens(load.name) / capacity
+            projected = self.ledger.utilization(load.name) - marked
             if projected <= target:
                 continue
             acting = sorted(
@@ -398,7 +400,7 @@ class ProgramAwarePolicy(Policy):
                 if projected <= target:
                     break
                 actions += self._pause_program(program, now)
-                projected = self.projected_utilization(load.name)
+                projected = self.ledger.utilization(load.name) - marked
             if projected <= target:
                 continue
             reasoning = sorted(
@@ -429,10 +431,12 @@ class ProgramAwarePolicy(Policy):
         load = self.ledger.worker(worker)
         if not load.capacity_tokens:
             return math.inf
-        marked = sum(
-            self.ledger.contribution(s) for s in load.programs if self.programs[s].marked
-        )
-        return self.ledger.utilization(worker) - marked / load.capacity_tokens
+        return self.ledger.utilization(worker) - self._marked_tokens(worker) / load.capacity_tokens
+
+    def _marked_tokens(self, worker: str) -> float:
+        programs = self.programs
+        return sum(self.ledger.contribution(s) for s in self.ledger.worker(worker).programs
+                   if programs[s].marked)
 
     # -- soft band and retention -------------------------------------------------------
 
