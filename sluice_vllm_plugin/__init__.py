@@ -66,6 +66,12 @@ def apply_patches() -> None:
     from . import directives, epoch, labels, retention
     labels.apply()
     retention.apply()
+    try:
+        from . import host_tier
+    except ImportError as exc:  # pragma: no cover - a vLLM build without kv_offload
+        logger.info("sluice vllm plugin: no host tier (%s)", exc)
+    else:
+        host_tier.apply()
     epoch.apply()
     directives.start_from_env()
 

@@ -6,12 +6,16 @@ decode, so every engine accepts and rejects exactly the same input.
 One KvHint-shaped envelope per message, as JSON (a message that starts with ``{``) or msgpack:
 
     {"protocol_version": 1, "message_id": str,
-     "actions": [{"action_type": "kv.retain"|"kv.demote"|"kv.release", "action_id": str,
-                  "action_version": int, "payload": {"session_id": str,
-                  "continuation_id": str?, "priority": 0..100, "ttl_s": float ≥ 0}}]}
+     "actions": [{"action_type": "kv.retain"|"kv.demote"|"kv.release"|"kv.offload"|"kv.prefetch",
+                  "action_id": str, "action_version": int,
+                  "payload": {"session_id": str, "continuation_id": str?,
+                              "priority": 0..100, "ttl_s": float ≥ 0, "deadline_s": float ≥ 0?}}]}
 
-(``priority`` and ``ttl_s`` only for ``kv.retain``; ``action_id`` and ``action_version`` are
-carried for tracing and may be left out.) Keys this version does not know are
+(``priority`` and ``ttl_s`` for ``kv.retain``; ``priority`` (default 50) and ``deadline_s``
+(optional) for ``kv.prefetch``; ``action_id`` and ``action_version`` are carried for tracing and
+may be left out.) ``kv.offload`` and ``kv.prefetch`` address the host KV tier (vLLM's offloading
+connector) in the same coordinates as retention: what they do is in
+:mod:`sluice_vllm_plugin.host_tier`. Keys this version does not know are
 ignored, so a newer sender's additions reach an older engine harmlessly; a wrong type, a value
 out of range, an unknown ``action_type`` or another ``protocol_version`` rejects the whole
 envelope (:func:`decode` raises ``ValueError``). It lives in the plugin package, which vLLM's
@@ -65,7 +69,37 @@ class KvRelease(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.re
     action_version: int = ACTION_VERSION
 
 
-KvAction = KvRetain | KvDemote | KvRelease
+class OffloadPayload(msgspec.Struct, frozen=True, omit_defaults=True):
+    session_id: SessionId
+    # Carried for the engines; they offload per session for now and ignore it.
+    continuation_id: str | None = None
+
+
+class PrefetchPayload(msgspec.Struct, frozen=True, omit_defaults=True):
+    session_id: SessionId
+    continuation_id: str | None = None
+    # Among favoured sessions the host tier gives up the lowest priority first.
+    priority: Priority = 50
+    # When the program is expected back, from receipt; the favour lasts until then (None: until
+    # the session's request loads its blocks or a kv.release).
+    deadline_s: Seconds | None = None
+
+
+class KvOffload(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.offload"):
+    """Park the session's cached blocks in the host tier, then evict them first on the GPU."""
+    payload: OffloadPayload
+    action_id: str = ""
+    action_version: int = ACTION_VERSION
+
+
+class KvPrefetch(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.prefetch"):
+    """The session is about to resume: keep its host-tier blocks ahead of others'."""
+    payload: PrefetchPayload
+    action_id: str = ""
+    action_version: int = ACTION_VERSION
+
+
+KvAction = KvRetain | KvDemote | KvRelease | KvOffload | KvPrefetch
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -1,4 +1,4 @@
-"""The directive socket: KvHint-shaped envelopes in, retention directives out.
+"""The directive socket: KvHint-shaped envelopes in, retention and host-tier directives out.
 
 The engine core binds a ZMQ PULL socket at ``SLUICE_DIRECTIVE_ENDPOINT`` (e.g. ``tcp://*:5590``;
 unset means no socket), offset by the data-parallel rank the way vLLM offsets its KV-event
@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from .directive_envelope import KvDemote, KvRelease, KvRetain, decode
+from .directive_envelope import KvDemote, KvOffload, KvPrefetch, KvRelease, KvRetain, decode
 
 logger = logging.getLogger("sluice.vllm_plugin.directives")
 
@@ -80,6 +80,11 @@ class DirectiveServer:
                     self._post("demote", payload.session_id)
                 case KvRelease(payload=payload):
                     self._post("release", payload.session_id)
+                case KvOffload(payload=payload):
+                    self._post("offload", payload.session_id)
+                case KvPrefetch(payload=payload):
+                    deadline = float("inf") if payload.deadline_s is None else payload.deadline_s
+                    self._post("prefetch", payload.session_id, payload.priority, deadline)
             self.applied += 1
 
     def _run(self) -> None:

@@ -445,6 +445,10 @@ class Retention:
                     self.demote(session_id)
                 elif action == "release":
                     self.release(session_id)
+                elif action == "offload":
+                    self.offload(session_id)
+                elif action == "prefetch":
+                    self.prefetch(session_id, int(priority), float(ttl_s), at)
                 else:
                     raise ValueError(f"unknown action {action!r}")
                 n += 1
@@ -471,6 +475,33 @@ class Retention:
     def release(self, session_id: str) -> None:
         self._session_class.pop(session_id, None)
         self._reclass(session_id, NORMAL_CLASS)
+        for host in _host_tiers():
+            host.release(session_id)
+
+    def _session_offload_keys(self, session_id: str) -> list:
+        from .host_tier import offload_keys
+        return offload_keys(self.queue.owned(session_id)) if self.queue is not None else []
+
+    def offload(self, session_id: str) -> None:
+        """``kv.offload`` (:mod:`sluice_vllm_plugin.host_tier`): park in the host tier, then
+        demote on the GPU."""
+        hosts = _host_tiers()
+        if hosts:
+            keys = self._session_offload_keys(session_id)
+            for host in hosts:
+                host.offload(session_id, keys)
+        self.demote(session_id)
+
+    def prefetch(self, session_id: str, priority: int, deadline_s: float, now: float) -> None:
+        """``kv.prefetch``: favour the session in the host tier; undo a demotion on the GPU."""
+        hosts = _host_tiers()
+        if hosts:
+            keys = self._session_offload_keys(session_id)
+            for host in hosts:
+                host.prefetch(session_id, priority, deadline_s, now, keys)
+        if self.class_of(session_id) == LOW_CLASS:
+            self._session_class.pop(session_id, None)
+            self._reclass(session_id, NORMAL_CLASS)
 
     def expire(self, now: float) -> None:
         heap = self._expiries
@@ -484,6 +515,20 @@ class Retention:
     def _reclass(self, session_id: str, cls: int) -> None:
         if self.queue is not None:
             self.queue.reclass_session(session_id, cls)
+
+
+def _host_tiers() -> list:
+    """The host tiers in this process (none unless vLLM's offloading connector is on)."""
+    from . import host_tier
+    return host_tier.tiers()
+
+
+def drain_all() -> None:
+    """Apply every pool's pending directives (scheduler thread)."""
+    for pool in list(_pools):
+        r = state(pool)
+        if not r.inbox.empty():
+            r.drain()
 
 
 def state(pool: Any) -> Retention:
