@@ -38,6 +38,13 @@ def _check_preset(name: str) -> None:
         raise usage_error(f"unknown preset {name!r}; choose from {', '.join(presets())}")
 
 
+def _host_tier_gib(preset: str, kv_offload_gib: float, host_tier: bool) -> float:
+    """The host tier size a run asks for: --kv-offload-gb, else the preset's with --host-tier."""
+    if kv_offload_gib > 0:
+        return kv_offload_gib
+    return presets()[preset].suggested_host_tier_gib if host_tier else 0.0
+
+
 def _policy_config(path: Path | None):
     """The `policy:` section of ``path`` (None: the defaults); errors name the file and key."""
     from scheduler.config import parse_policy_yaml
@@ -82,6 +89,14 @@ def sim(
         None, "--config", dir_okay=False, metavar="PATH",
         help="A Sluice YAML file whose `policy:` section sets the thresholds (as `sluice serve` "
              "reads it); other sections are ignored."),
+    kv_offload_gib: float = typer.Option(
+        0.0, "--kv-offload-gb", min=0.0, metavar="GIB",
+        help="Give every worker, under every policy, a host KV tier of this many GiB: vLLM's "
+             "native CPU offloading (--kv-offloading-size). 0 (default): none."),
+    host_tier: bool = typer.Option(
+        False, "--host-tier",
+        help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
+             "--kv-offload-gb overrides the size."),
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
@@ -93,12 +108,14 @@ def sim(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
         preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
         ceiling=ceiling, policy_config=policy_config,
+        kv_offload_gib=_host_tier_gib(preset, kv_offload_gib, host_tier),
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": _command_line(), "workload": workload, "concurrency": concurrency,
                   "workers": workers, "preset": preset, "duration_s": duration, "seed": seed,
-                  "block_size": block_size, "policies": names, "ceiling": ceiling}
+                  "block_size": block_size, "policies": names, "ceiling": ceiling,
+                  "kv_offload_gib": _host_tier_gib(preset, kv_offload_gib, host_tier)}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
@@ -141,6 +158,14 @@ def replay(
     config_path: Optional[Path] = typer.Option(
         None, "--config", dir_okay=False, metavar="PATH",
         help="A Sluice YAML file whose `policy:` section sets the thresholds."),
+    kv_offload_gib: float = typer.Option(
+        0.0, "--kv-offload-gb", min=0.0, metavar="GIB",
+        help="Give every worker, under every policy, a host KV tier of this many GiB: vLLM's "
+             "native CPU offloading (--kv-offloading-size). 0 (default): none."),
+    host_tier: bool = typer.Option(
+        False, "--host-tier",
+        help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
+             "--kv-offload-gb overrides the size."),
 ) -> None:
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math
@@ -173,6 +198,7 @@ def replay(
     results = run_policies(
         names, feed_for, workers=workers, preset=preset, duration_s=cap, block_size=block_size,
         stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling, policy_config=policy_config,
+        kv_offload_gib=_host_tier_gib(preset, kv_offload_gib, host_tier),
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:

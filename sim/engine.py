@@ -28,16 +28,24 @@ HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunk
 request can carry its token ids (put on ``BlockStored`` events as vLLM does) and ask for
 ``kv_cache_report_mode: "full"`` on its own, and ``abort`` drops a call whose client went
 away. None of these changes anything for callers that do not use them.
+
+Host KV tier (vLLM's native CPU offloading; only when the model has ``kv_offload_gib > 0``,
+see sim/host_tier.py and docs/design-notes.md "Host KV tier"): every step offers the prompt
+blocks its tokens complete to the tier, copied GPU→host after the step; a waiting request whose
+prefix continues in the tier past its GPU hit gets blocks for it and waits, outside the batch,
+for the host→GPU copy, then runs with those tokens computed. Copies overlap compute.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.kv_events import BlockHash
 from sim.block_pool import BlockPool
+from sim.host_tier import HostLink, HostTier
 from sim.step_time import StepTimeModel
 
 
@@ -74,6 +82,11 @@ class EngineRequest:
     token_ids: Sequence[int] | None = None
     # this request reports its prefix hits (vLLM's per-request kv_cache_report_mode "full")
     report_reuse: bool = False
+    # host tier: blocks offered to it so far (vLLM's next_stored_chunk_idx), blocks being
+    # loaded from it, and when that load ends
+    host_offered_blocks: int = 0
+    host_loading_blocks: int = 0
+    host_load_done_at: float = 0.0
 
     @property
     def seq_len(self) -> int:
@@ -104,6 +117,9 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     busy_s: float = 0.0
+    host_stored_blocks: int = 0
+    host_loaded_tokens: int = 0
+    host_evicted_blocks: int = 0
 
 
 class Engine:
@@ -130,6 +146,18 @@ class Engine:
         self._run: _DecodeRun | None = None
         self._order = 0
         self.finished: list[EngineRequest] = []
+        self.host_tier: HostTier | None = None
+        if model.kv_offload_gib > 0:
+            chunk_bytes = model.kv_bytes_per_token * self.block_size
+            self.host_tier = HostTier(int(model.kv_offload_gib * (1 << 30)) // chunk_bytes,
+                                      self.block_size, enable_events=enable_events)
+            self._to_host = HostLink(model.host_link_bytes_per_s)
+            self._from_host = HostLink(model.host_link_bytes_per_s)
+        # (done_at, keys) of GPU→host copies in flight; one link, so they end in order
+        self._stores: deque[tuple[float, list[BlockHash]]] = deque()
+        # requests waiting for a host→GPU load, and those whose load is done (to be admitted)
+        self.loading: list[EngineRequest] = []
+        self._loaded: list[EngineRequest] = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -140,7 +168,15 @@ class Engine:
         return self.busy_until is None
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading or self._loaded)
+
+    def take_events(self) -> list:
+        """The KV events since the last call: the GPU pool's, then the host tier's (medium
+        ``"CPU"``)."""
+        events = self.pool.take_events()
+        if self.host_tier is not None:
+            events += self.host_tier.take_events()
+        return events
 
     # -- arrivals ---------------------------------------------------------------------
 
@@ -177,11 +213,18 @@ class Engine:
         as a plain iteration); the time cap is reached, not undercut, by the last step."""
         if self.busy_until is not None:
             raise RuntimeError(f"{self.name}: start() while busy until {self.busy_until}")
-        if not self.running and not self.waiting:
+        if self.host_tier is not None:
+            self._host_progress(now)
+        if not self.has_work():
             return None
         run_steps = self._decode_run_length()
         if run_steps >= 2:
             context = sum(r.num_computed + 1 for r in self.running)
+            if self.loading:
+                # the scheduler admits a loaded request at the first step after its load
+                first_done = min(r.host_load_done_at for r in self.loading)
+                run_steps = min(run_steps, self.model.decode_steps_within(len(self.running), context,
+                                                                          first_done - now))
             if max_run_steps is not None:
                 run_steps = min(run_steps, max_run_steps)
             if max_run_s is not None:
@@ -194,6 +237,12 @@ class Engine:
             return self.busy_until
         scheduled = self._schedule(now)
         if not scheduled:
+            if self.loading:
+                # nothing to compute until a load lands: wait for it (an empty step)
+                self._step = []
+                self._step_start = now
+                self.busy_until = max(now, min(r.host_load_done_at for r in self.loading))
+                return self.busy_until
             return None
         prefill = 0
         context = 0
@@ -204,6 +253,8 @@ class Engine:
         self._step = scheduled
         self._step_start = now
         self.busy_until = now + self.model.step_s(prefill, len(scheduled), context)
+        if self.host_tier is not None:
+            self._offer_to_host(scheduled, self.busy_until)
         return self.busy_until
 
     def complete(self) -> list[EngineRequest]:
@@ -215,8 +266,7 @@ class Engine:
         if self._run is not None:
             done = self._complete_run(self._run, end)
             self._run = None
-        else:
-            assert self._step is not None
+        elif self._step:
             self.stats.steps += 1
             self.stats.busy_s += end - self._step_start
             for request, n in self._step:
@@ -224,9 +274,14 @@ class Engine:
                 if request.num_computed >= request.seq_len:
                     self._sample(request, end, 1, done)
             self._step = None
+        else:
+            assert self._step is not None  # the empty step of a wait for a load
+            self._step = None
         self.busy_until = None
         for request in done:
             self._finish(request, end)
+        if self.host_tier is not None:
+            self._host_progress(end)
         return done
 
     def _complete_run(self, run: _DecodeRun, end: float) -> list[EngineRequest]:
@@ -290,13 +345,15 @@ class Engine:
         self.running.remove(request)
         self.pool.free_blocks(reversed(request.block_ids), request.session_id)
         request.block_ids = []
+        if self.host_tier is not None:
+            self.host_tier.request_finished(request.request_id)
         self.stats.finished += 1
         self.finished.append(request)
 
     def _decode_run_length(self) -> int:
         """How many identical pure-decode iterations can run from here (0 if not a run)."""
         running = self.running
-        if not running:
+        if not running or self._loaded:
             return 0
         for request in running:
             if request.seq_len - request.num_computed != 1:
@@ -381,9 +438,13 @@ class Engine:
             index += 1
         if preempted:
             return scheduled
+        if self._loaded:
+            budget = self._admit_loaded(scheduled, budget, now)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][2]
             new_blocks, free_hits, hit = self._admission_cost(request, budget)
+            if self.host_tier is not None and self._start_host_load(request, hit, now):
+                continue
             if new_blocks + free_hits > pool.num_free:
                 break
             heapq.heappop(self.waiting)
@@ -404,6 +465,117 @@ class Engine:
             scheduled.append((request, n))
             budget -= n
         return scheduled
+
+    # -- host tier ----------------------------------------------------------------------
+
+    def _host_progress(self, now: float) -> None:
+        """Complete the copies that have ended by ``now``: stores become loadable; loaded
+        blocks are cached on the GPU (vLLM caches them when the load is reported) and their
+        requests become admissible."""
+        tier = self.host_tier
+        assert tier is not None
+        stores = self._stores
+        while stores and stores[0][0] <= now:
+            tier.complete_store(stores.popleft()[1])
+        if not self.loading:
+            return
+        still = []
+        for request in self.loading:
+            if request.host_load_done_at > now:
+                still.append(request)
+                continue
+            first = request.num_cached_blocks
+            last = first + request.host_loading_blocks
+            tier.complete_load(request.hashes[first:last])
+            tokens = request.token_ids
+            self.pool.cache_full_blocks(request.block_ids, request.hashes, first, last,
+                                        session_id=request.session_id,
+                                        continuation_id=request.continuation_id,
+                                        token_ids=None if tokens is None
+                                        else tokens[first * self.block_size:last * self.block_size])
+            request.num_cached_blocks = last
+            request.host_loading_blocks = 0
+            self._loaded.append(request)
+        self.loading = still
+
+    def _start_host_load(self, request: EngineRequest, hit: list[int], now: float) -> bool:
+        """If the waiting head's prefix continues in the host tier past its GPU hit, take it
+        out of the queue with blocks for the GPU hit and the tier's part, and start loading
+        the latter (vLLM: WAITING_FOR_REMOTE_KVS; no tokens scheduled for it meanwhile).
+        Returns whether it did."""
+        tier = self.host_tier
+        assert tier is not None
+        bs = self.block_size
+        pool = self.pool
+        # as for a GPU hit, at least the last token is computed
+        limit = (request.seq_len - 1) // bs
+        loadable = tier.loadable_prefix(request.hashes[len(hit):limit])
+        if loadable == 0:
+            return False
+        free_hits = list(map(pool.ref_cnt.__getitem__, hit)).count(0)
+        if loadable + free_hits > pool.num_free:
+            return False
+        heapq.heappop(self.waiting)
+        pool.touch(hit)
+        keys = request.hashes[len(hit):len(hit) + loadable]
+        tier.prepare_load(keys, request.request_id, len(hit))
+        request.block_ids = hit + pool.get_new_blocks(loadable, now)
+        request.num_cached_blocks = len(hit)
+        request.num_computed = (len(hit) + loadable) * bs
+        # what was loaded is not offered back (vLLM's CHUNK_LEVEL store policy)
+        request.host_offered_blocks = max(request.host_offered_blocks, len(hit) + loadable)
+        request.host_loading_blocks = loadable
+        request.host_load_done_at = self._from_host.transfer(
+            now, loadable * bs * self.model.kv_bytes_per_token)
+        self.stats.host_loaded_tokens += loadable * bs
+        self.loading.append(request)
+        return True
+
+    def _admit_loaded(self, scheduled: list[tuple[EngineRequest, int]], budget: int,
+                      now: float) -> int:
+        """Admit requests whose host load is done, best priority first, while the budget,
+        the sequence limit and free blocks allow; returns the budget left."""
+        pool = self.pool
+        bs = self.block_size
+        self._loaded.sort(key=lambda r: (r.priority, r.order))
+        while self._loaded and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._loaded[0]
+            n = min(request.seq_len - request.num_computed, budget)
+            need = -(-(request.num_computed + n) // bs) - len(request.block_ids)
+            if need > pool.num_free:
+                break
+            self._loaded.pop(0)
+            if need > 0:
+                request.block_ids.extend(pool.get_new_blocks(need, now))
+            self._account_admission(request, request.num_computed, now)
+            self._cache(request, request.num_computed + n)
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+        return budget
+
+    def _offer_to_host(self, scheduled: list[tuple[EngineRequest, int]], step_end: float) -> None:
+        """Offer the tier the prompt blocks this step completes (vLLM offloads prompt blocks
+        only by default); new ones are copied after the step, one copy per request."""
+        tier = self.host_tier
+        assert tier is not None
+        bs = self.block_size
+        for request, n in scheduled:
+            storable = min(min(request.num_computed + n, request.prompt_tokens) // bs,
+                           len(request.hashes))
+            start = request.host_offered_blocks
+            if storable <= start:
+                continue
+            outcome = tier.prepare_store(request.hashes[start:storable], request.request_id, start)
+            if outcome is None:
+                continue  # the tier cannot make room now: offered again next step
+            request.host_offered_blocks = storable
+            self.stats.host_evicted_blocks += len(outcome.evicted)
+            if outcome.stored:
+                self.stats.host_stored_blocks += len(outcome.stored)
+                done = self._to_host.transfer(step_end, len(outcome.stored) * bs
+                                              * self.model.kv_bytes_per_token)
+                self._stores.append((done, outcome.stored))
 
     def _account_admission(self, request: EngineRequest, hit_tokens: int, now: float) -> None:
         """Hit rate counts the first admission; re-prefill counts every recomputed token
@@ -444,6 +616,10 @@ class Engine:
                 self.waiting.pop()
                 heapq.heapify(self.waiting)
                 return request  # a waiting request holds no blocks (preemption freed them)
+        for queue in (self.loading, self._loaded):
+            for request in queue:
+                if request.request_id == request_id:
+                    return self._abort_host_load(queue, request)
         for request in self.running:
             if request.request_id == request_id:
                 break
@@ -454,6 +630,20 @@ class Engine:
             self._step = [(r, n) for r, n in self._step if r is not request]
         if self._run is not None:
             self._run.requests = [r for r in self._run.requests if r is not request]
+        self.pool.free_blocks(reversed(request.block_ids), request.session_id)
+        request.block_ids = []
+        return request
+
+    def _abort_host_load(self, queue: list[EngineRequest], request: EngineRequest) -> EngineRequest:
+        """Abort a request that holds blocks for a host load (in flight or done)."""
+        tier = self.host_tier
+        assert tier is not None
+        queue.remove(request)
+        if request.host_loading_blocks:
+            first = request.num_cached_blocks
+            tier.complete_load(request.hashes[first:first + request.host_loading_blocks])
+            request.host_loading_blocks = 0
+        tier.forget_request(request.request_id)
         self.pool.free_blocks(reversed(request.block_ids), request.session_id)
         request.block_ids = []
         return request

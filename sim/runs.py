@@ -100,10 +100,13 @@ def run_policies(
     show_progress: bool = True,
     label: str = "",
     ceiling: bool = False,
+    kv_offload_gib: float = 0.0,
 ) -> list[SimResult]:
     """One result per policy, in order; with ``ceiling``, a last result named
-    :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`)."""
-    model = load_preset(preset)
+    :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`).
+    ``kv_offload_gib`` > 0 gives every worker, under every policy, a host KV tier of that size
+    (vLLM's native CPU offloading, ``--kv-offloading-size``)."""
+    model = load_preset(preset).with_host_tier(kv_offload_gib)
     runs: list[tuple[str, str, int | None]] = [(name, name, None) for name in policies]
     if ceiling:
         size = block_size or model.block_size

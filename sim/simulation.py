@@ -25,6 +25,7 @@ from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy
 from sim.engine import Engine, EngineRequest
+from sim.host_tier import MEDIUM_CPU
 from sim.programs import ProgramSpec
 from sim.step_time import StepTimeModel
 
@@ -504,7 +505,12 @@ class Simulation:
             self._push(until, _ENGINE, index, self._versions[index])
 
     def _publish(self, engine: Engine, now: float) -> None:
-        events = engine.pool.take_events()
+        # The policy's KV index counts every BlockStored as GPU-resident and lets any
+        # BlockRemoved drop the hash, whatever its medium: the host tier's events (medium
+        # "CPU") would count parked blocks as GPU KV and a host eviction would erase a block
+        # still on the GPU. They are published by the engine and not handed to the policy.
+        events = [event for event in engine.take_events()
+                  if getattr(event, "medium", None) != MEDIUM_CPU]
         if events:
             self.policy.observe_kv(engine.name, EventBatch(now, events, 0))
 

@@ -17,6 +17,13 @@ Presets are derived from public figures, not fitted to measurements here:
 - Prompt throughput assumes 45% MFU on 2·(active params) FLOPs per token; memory terms
   assume 70% of peak bandwidth; the KV pool is 90% of HBM minus weights (vLLM's
   ``gpu_memory_utilization=0.9``).
+- Host KV tier (vLLM's native CPU offloading, ``--kv-offloading-size``; off unless a size is
+  given, see sim/host_tier.py): an 8×H100 node such as the DGX H100 carries 2 TB of host DRAM
+  (NVIDIA DGX H100 datasheet), 256 GB per GPU; the preset's suggested tier is 200 GiB per GPU,
+  leaving the rest to the OS, the processes and pinned staging buffers. Each GPU sits on a PCIe
+  Gen5 x16 link: 64 GB/s per direction nominal (PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes,
+  128b/130b), of which ≈ 50 GB/s is reached by large pinned-memory copies (cudaMemcpyAsync
+  bandwidth tests on H100 report 50–55 GB/s), so the presets take 50 GB/s per direction.
 These give ≈ 7 ms decode steps at small batch for 8B on H100 and ≈ 15–25 ms with tens of
 thousands of tokens in attention, in line with published vLLM serving measurements for
 that class of model. A GPU run can replace them with calibrated ones.
@@ -24,9 +31,14 @@ that class of model. A GPU run can replace them with calibrated ones.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 _TB = 1e12
+# 2 TB of host DRAM per 8-GPU node (DGX H100), less headroom for the OS and processes
+_HOST_TIER_GIB_PER_GPU = 200.0
+# PCIe Gen5 x16, achievable host↔device copy bandwidth per direction (64 GB/s nominal)
+_PCIE_GEN5_X16_BYTES_PER_S = 50e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +53,20 @@ class StepTimeModel:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # KV bytes one token takes (all layers, K and V): sizes host-tier chunks and copies
+    kv_bytes_per_token: int = 0
+    # the host tier in use, in GiB (vLLM's --kv-offloading-size); 0 leaves it off
+    kv_offload_gib: float = 0.0
+    # the size `--host-tier` turns on for this preset, in GiB per worker
+    suggested_host_tier_gib: float = 0.0
+    # host↔GPU link bandwidth per direction (bytes/s)
+    host_link_bytes_per_s: float = 0.0
+
+    def with_host_tier(self, gib: float) -> StepTimeModel:
+        """This model with a host KV tier of ``gib`` GiB (0 turns it off)."""
+        if gib < 0:
+            raise ValueError(f"host tier size must be >= 0 GiB, got {gib}")
+        return dataclasses.replace(self, kv_offload_gib=gib)
 
     def step_s(self, prefill_tokens: int, seqs: int, context_tokens: int) -> float:
         return (
@@ -77,7 +103,7 @@ class StepTimeModel:
 
 def _preset(name: str, description: str, *, weights_gb: float, active_params_b: float,
             kv_bytes_per_token: int, hbm_gb: float, bandwidth_tb_s: float,
-            tflops: float = 989.0) -> StepTimeModel:
+            tflops: float = 989.0, gpus: int = 1) -> StepTimeModel:
     bandwidth = bandwidth_tb_s * _TB * 0.70
     flops = tflops * _TB * 0.45
     kv_pool_bytes = hbm_gb * 1e9 * 0.90 - weights_gb * 1e9
@@ -89,6 +115,10 @@ def _preset(name: str, description: str, *, weights_gb: float, active_params_b: 
         seq_s=40e-6,
         context_token_s=kv_bytes_per_token / bandwidth,
         kv_capacity_tokens=int(kv_pool_bytes // kv_bytes_per_token),
+        kv_bytes_per_token=kv_bytes_per_token,
+        # vLLM's --kv-offloading-size is the total over the TP ranks; each GPU has its link
+        suggested_host_tier_gib=_HOST_TIER_GIB_PER_GPU * gpus,
+        host_link_bytes_per_s=_PCIE_GEN5_X16_BYTES_PER_S * gpus,
     )
 
 
@@ -110,7 +140,7 @@ def presets() -> dict[str, StepTimeModel]:
                 hbm_gb=141, bandwidth_tb_s=4.8),
         _preset("qwen3-30b-a3b-h100x2", "Qwen3-30B-A3B (MoE), BF16, two H100 SXM (TP=2)",
                 weights_gb=61.1, active_params_b=3.3, kv_bytes_per_token=98304,
-                hbm_gb=160, bandwidth_tb_s=6.7, tflops=1978.0),
+                hbm_gb=160, bandwidth_tb_s=6.7, tflops=1978.0, gpus=2),
     ]
     return {model.name: model for model in built}
 

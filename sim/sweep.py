@@ -37,6 +37,8 @@ class SweepConfig(BaseModel):
     jobs: Annotated[int, Field(gt=0)] = 2
     # a `ceiling` row per concurrency (unlimited KV; see sim.runs.CEILING_KV_FACTOR)
     ceiling: bool = True
+    # GiB of host KV tier per worker under every policy (vLLM's native CPU offloading); 0: none
+    kv_offload_gib: Annotated[float, Field(ge=0)] = 0.0
     policy: dict[str, Any] = {}
 
     @field_validator("workload")
@@ -90,7 +92,7 @@ def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
         lambda: workload_feed(sweep.workload, concurrency, sweep.seed),
         workers=sweep.workers, preset=sweep.preset, duration_s=sweep.duration_s,
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
-        ceiling=is_ceiling,
+        ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
     )
     row = {"concurrency": concurrency, **result.summary(),
            "marks": result.marks, "forced_resumes": result.forced_resumes,
