@@ -99,6 +99,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import percentile, progress, result
+from entry.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
@@ -291,12 +292,6 @@ def _run_loop(main: Coroutine[Any, Any, Any]) -> Any:
 # -- child processes ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _cpu_split() -> tuple[set[int], set[int]] | None:
     """(the gateway's CPUs, everyone else's), or None with fewer than two CPUs to split."""
     try:
@@ -401,7 +396,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _start_upstream(workdir: Path, cpus: set[int] | None) -> tuple[_Child, str]:
-    port = _free_port()
+    port = free_port()
     child = _Child("fast upstream", [sys.executable, "-m", "bench.gateway", "upstream", str(port)],
                    workdir / "upstream.log", cpus)
     return child, f"http://127.0.0.1:{port}"
@@ -422,7 +417,7 @@ def _gateway_config(upstream_url: str, port: int) -> str:
 
 def _start_gateway(workdir: Path, upstream_url: str, label: str, cpus: set[int] | None,
                    profile_path: Path | None = None) -> tuple[_Child, str]:
-    port = _free_port()
+    port = free_port()
     config = workdir / f"{label}.yaml"
     config.write_text(_gateway_config(upstream_url, port), encoding="utf-8")
     argv = [sys.executable]
