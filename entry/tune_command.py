@@ -11,6 +11,7 @@ the comparison, the verdict and the written paths to stdout. Bad input exits wit
 from __future__ import annotations
 
 import json
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -92,6 +93,11 @@ def tune(
         DEFAULT_BATCH, "--batch", min=1,
         help="Trials proposed per round; the sampler learns from a round once all of it has run. "
              "Fixed, so the result does not depend on --jobs."),
+    executor: str = typer.Option(
+        "process", "--executor",
+        help="Where trials run: process (local processes, --jobs of them) or ray (Ray tasks: "
+             "on the cluster RAY_ADDRESS names, else a local Ray with --jobs CPUs; the `ray` "
+             "extra). The study is the same either way."),
     ceiling: bool = typer.Option(False, "--ceiling/--no-ceiling",
                                  help="Also run the ceiling (the same programs with unlimited KV) "
                                       "on the tuning and held-back data, for context."),
@@ -114,6 +120,13 @@ def tune(
     if not p99_slack >= 1.0:
         raise usage_error(f"--p99-slack must be ≥ 1 (the defaults must be feasible), got {p99_slack}")
     jobs = jobs or os.cpu_count() or 1
+    if executor not in ("process", "ray"):
+        raise usage_error(f"--executor must be process or ray, got {executor!r}")
+    pool = tuning.process_pool
+    if executor == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise usage_error("--executor ray needs Ray: pip install 'agent-sluice[ray]'")
+        pool = RayTasks
 
     if fmt is not None or trace is not None:
         tuning_data, held_back = _trace_scenarios(
@@ -129,7 +142,8 @@ def tune(
     try:
         study = tuning.run_study(policy, tuning_data, trials=trials, jobs=jobs, batch=batch,
                                  sampler_seed=seed, p99_limit_s=p99_limit, p99_slack=p99_slack,
-                                 on_trial=lambda record, study: _report_trial(record, study, trials))
+                                 on_trial=lambda record, study: _report_trial(record, study, trials),
+                                 pool=pool)
     except ValueError as err:
         raise usage_error(str(err)) from None
 
@@ -142,7 +156,7 @@ def tune(
     if ceiling:
         tasks += [(tuning_data, None), (held_back, None)]
     typer.echo(f"checking on {held_back.label}", err=True)
-    measured = tuning.measure_all(tasks, jobs)
+    measured = tuning.measure_all(tasks, jobs, pool)
     held_defaults = measured[0]
     held_best = measured[1] if chosen is not defaults else held_defaults
     ceilings = measured[-2:] if ceiling else []
@@ -299,3 +313,36 @@ def _check_policy_file(text: str, out: Path) -> None:
 
 
 __all__ = ["tune"]
+
+
+class RayTasks:
+    """Trials as Ray tasks, one CPU each: on a Ray cluster (``RAY_ADDRESS``) they spread over
+    its nodes; without one, a local Ray with ``jobs`` CPUs. Results come back in order, so
+    the study does not depend on where they ran."""
+
+    def __init__(self, jobs: int) -> None:
+        self._jobs = jobs
+        self._started_ray = False
+
+    def __enter__(self) -> RayTasks:
+        import ray
+
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"])
+            else:
+                ray.init(num_cpus=self._jobs, include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        if self._started_ray:
+            ray.shutdown()
+
+    def map(self, fn: Any, items: Any) -> list[Any]:
+        import ray
+
+        task = ray.remote(num_cpus=1)(fn)
+        return ray.get([task.remote(item) for item in items])

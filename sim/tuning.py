@@ -362,10 +362,17 @@ def round_sizes(trials: int, batch: int) -> list[int]:
     return [1] + [batch] * (rest // batch) + ([rest % batch] if rest % batch else [])
 
 
+def process_pool(jobs: int) -> ProcessPoolExecutor:
+    """The default place trials run: ``jobs`` local processes."""
+    return ProcessPoolExecutor(max_workers=jobs)
+
+
 def run_study(policy: str, scenario: Scenario, *, trials: int, jobs: int, batch: int,
               sampler_seed: int, p99_limit_s: float | None, p99_slack: float,
-              on_trial: Callable[[TrialRecord, Study], None]) -> Study:
-    """Trial 0 (the defaults) first, then rounds of ``batch`` trials on ``jobs`` processes;
+              on_trial: Callable[[TrialRecord, Study], None],
+              pool: Callable[[int], Any] = process_pool) -> Study:
+    """Trial 0 (the defaults) first, then rounds of ``batch`` trials on ``jobs`` processes
+    (``pool(jobs)``: a context manager with ``map``, e.g. a process pool or Ray tasks);
     ``on_trial`` is called after each trial is told, in trial order."""
     import optuna
     from optuna.distributions import FloatDistribution, IntDistribution
@@ -387,11 +394,11 @@ def run_study(policy: str, scenario: Scenario, *, trials: int, jobs: int, batch:
     optuna_study.enqueue_trial(default_params(policy))
     study = Study()
 
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    with pool(jobs) as workers:
         for size in round_sizes(trials, batch):
             asked = [optuna_study.ask(distributions) for _ in range(size)]
             points = [(trial, policy_keys(policy, trial.params)) for trial in asked]
-            results = pool.map(_measure_task, [(scenario, keys) for _, keys in points])
+            results = workers.map(_measure_task, [(scenario, keys) for _, keys in points])
             for (trial, keys), measurement in zip(points, results):
                 if trial.number == 0:
                     if math.isnan(measurement.p99_call_s):
@@ -412,11 +419,11 @@ def run_study(policy: str, scenario: Scenario, *, trials: int, jobs: int, batch:
     return study
 
 
-def measure_all(tasks: Sequence[tuple[Scenario, dict[str, Any] | None]], jobs: int
-                ) -> list[Measurement]:
+def measure_all(tasks: Sequence[tuple[Scenario, dict[str, Any] | None]], jobs: int,
+                pool: Callable[[int], Any] = process_pool) -> list[Measurement]:
     """Each (scenario, keys) measured, in parallel; None keys: the ceiling."""
-    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
-        return list(pool.map(_measure_task, tasks))
+    with pool(max(1, min(jobs, len(tasks)))) as workers:
+        return list(workers.map(_measure_task, tasks))
 
 
 # -- the verdict and the file --------------------------------------------------------------------
