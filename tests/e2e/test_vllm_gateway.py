@@ -237,6 +237,8 @@ SESSIONS = 10
 TURNS = 5
 TOOL_S = 0.2
 LOAD_POLICY = {"growth_reserve_tokens": 32, "buffer_per_program": 32, "tick_interval_s": 0.2}
+# A router has no U of its own to tune: its section takes only the tick.
+ROUTER_POLICY = {"tick_interval_s": 0.2}
 
 
 def run_load(fleet: Fleet, policy: str) -> dict[str, Any]:
@@ -265,10 +267,11 @@ def run_load(fleet: Fleet, policy: str) -> dict[str, Any]:
                 time.sleep(TOOL_S)
 
     started = time.monotonic()
-    with sluice(fleet, policy, **LOAD_POLICY) as gw:
+    keys = LOAD_POLICY if policy == "program_aware" else ROUTER_POLICY
+    with sluice(fleet, policy, **keys) as gw:
         with ThreadPoolExecutor(SESSIONS) as pool:
             list(pool.map(program, range(SESSIONS)))
-        stats = gw.parts.admission.policy.stats
+        stats = gw.parts.admission.snapshot(with_programs=False).stats
     ok = [r for r in records if r["status"] == 200]
     reprefill = sum(r["prompt"] - r["cached"] for r in ok) - sum(r["prompt"] for r in ok if r["turn"] == 0)
     return {
@@ -279,7 +282,7 @@ def run_load(fleet: Fleet, policy: str) -> dict[str, Any]:
         "cached_tokens": sum(r["cached"] for r in ok),
         "reprefill_tokens": reprefill,
         "max_prompt": max((r["prompt"] for r in ok), default=0),
-        "pauses": stats.pauses, "resumes": stats.resumes, "held": stats.held,
+        "pauses": stats["pauses"], "resumes": stats["resumes"], "held": stats["held"],
         "seconds": round(time.monotonic() - started, 1),
     }
 
