@@ -24,6 +24,11 @@ class KVEvent(msgspec.Struct, tag_field="type", omit_defaults=True, gc=False):
     """Base of every KV-cache event."""
 
 
+# ``medium`` of the host tier's events (vllm/v1/kv_offload/base.py Medium.CPU as its events
+# spell it); the GPU pool's say "GPU", and events from before media existed say nothing.
+MEDIUM_CPU = "CPU"
+
+
 class BlockStored(KVEvent, tag="BlockStored"):
     # vLLM declares these seven without defaults and always writes them (None as nil);
     # its decoder rejects a map that lacks one, so ours must always send them too.

@@ -42,6 +42,14 @@ running past evicted tokens:
 Cost: with no hole, a query reads each block of its continuations once, as before; with
 holes, each chain is walked once between changes to them (cached per block).
 
+Media. vLLM publishes its host tier's events (CPU offloading, ``medium="CPU"``) on the same
+stream as the GPU pool's (``"GPU"``, or no medium from engines that predate media). The two are
+kept apart: :class:`WorkerKV` is the GPU alone (every query above, and so ``U``, counts GPU KV
+only), and :class:`HostKV` holds what the worker's host tier holds, per session. A hash can be
+in both; a CPU removal never touches the GPU side and a GPU removal never the CPU side.
+``AllBlocksCleared`` clears the GPU pool (vLLM's ``reset_prefix_cache``); the host tier's
+holdings go only with its own removals or :meth:`KVIndex.reset_worker`.
+
 Eviction accounting per worker: ``evicted_tokens`` sums the tokens of removed blocks the index
 knew; a removed unknown hash adds none (it covered at most a block, but how much is unknown;
 ``num_tokens`` is its end position, not its size) and counts in ``unknown_removals``;
@@ -55,6 +63,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
 from scheduler.kv_events import (
+    MEDIUM_CPU,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -406,11 +415,80 @@ class WorkerKV:
         return sum(block.tokens for block in self.blocks.values())
 
 
+class HostKV:
+    """One worker's host-tier (CPU) blocks and whose they are.
+
+    The tier's own events name no session (vLLM's offloading events carry the block keys; the
+    simulator's the same), so a stored block belongs to the sessions the event names, else to
+    the sessions holding that hash on the worker's GPU when the store lands (the tier stores
+    write-through from running requests, so the GPU copy is there then). A block whose GPU
+    copy is already gone counts for nobody: it is under-reported, never over.
+
+    Invariants: ``session_tokens[s] == sum(tokens of b for b in blocks if s in sessions of b)``
+    and ``session_blocks[s]`` lists exactly those blocks. Bounded by the tier's capacity, as the
+    GPU side is by the pool's.
+    """
+
+    def __init__(self) -> None:
+        # hash -> (tokens, sessions)
+        self.blocks: dict[BlockHash, tuple[int, tuple[str, ...]]] = {}
+        self.session_tokens: dict[str, int] = {}
+        self.session_blocks: dict[str, dict[BlockHash, None]] = {}
+        self.events_seen = 0
+        self.unknown_removals = 0
+
+    def store(self, event: BlockStored, gpu: WorkerKV) -> None:
+        named = (event.session_id,) if event.session_id is not None else None
+        for block_hash, tokens in zip(event.block_hashes, block_token_counts(event)):
+            if block_hash in self.blocks:
+                continue  # a re-store of a held chunk changes nothing (the manager's reuse)
+            if named is not None:
+                sessions = named
+            else:
+                on_gpu = gpu.blocks.get(block_hash)
+                sessions = tuple(on_gpu.sessions) if on_gpu is not None else ()
+            self.blocks[block_hash] = (tokens, sessions)
+            for session in sessions:
+                self.session_tokens[session] = self.session_tokens.get(session, 0) + tokens
+                self.session_blocks.setdefault(session, {})[block_hash] = None
+
+    def remove(self, event: BlockRemoved) -> None:
+        for block_hash in event.block_hashes:
+            held = self.blocks.pop(block_hash, None)
+            if held is None:
+                self.unknown_removals += 1
+                continue
+            tokens, sessions = held
+            for session in sessions:
+                owned = self.session_blocks[session]
+                del owned[block_hash]
+                if owned:
+                    self.session_tokens[session] -= tokens
+                else:
+                    del self.session_blocks[session]
+                    del self.session_tokens[session]
+
+    def clear(self) -> None:
+        self.blocks = {}
+        self.session_tokens = {}
+        self.session_blocks = {}
+
+    @property
+    def resident_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.blocks.values())
+
+
+def _on_host(event: KVEvent) -> bool:
+    return getattr(event, "medium", None) == MEDIUM_CPU
+
+
 class KVIndex:
-    """Every worker's :class:`WorkerKV`, fed by event batches."""
+    """Every worker's :class:`WorkerKV` (GPU) and :class:`HostKV` (host tier), fed by event
+    batches whose events say their medium."""
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerKV] = {}
+        self._hosts: dict[str, HostKV] = {}
 
     def worker(self, name: str) -> WorkerKV:
         kv = self._workers.get(name)
@@ -418,15 +496,20 @@ class KVIndex:
             kv = self._workers[name] = WorkerKV()
         return kv
 
+    def host(self, name: str) -> HostKV:
+        host = self._hosts.get(name)
+        if host is None:
+            host = self._hosts[name] = HostKV()
+        return host
+
     def workers(self) -> list[str]:
         return list(self._workers)
 
     def apply_batch(self, worker: str, batch: EventBatch) -> int:
         """Apply one batch; returns how many block hashes it carried."""
-        kv = self.worker(worker)
         hashes = 0
+        self.apply_events(worker, batch.events)
         for event in batch.events:
-            kv.apply(event)
             if not isinstance(event, AllBlocksCleared):
                 hashes += len(event.block_hashes)
         return hashes
@@ -434,17 +517,42 @@ class KVIndex:
     def apply_events(self, worker: str, events: Iterable[KVEvent]) -> None:
         kv = self.worker(worker)
         for event in events:
-            kv.apply(event)
+            if _on_host(event):
+                self._apply_host(worker, kv, event)
+            else:
+                kv.apply(event)
+
+    def _apply_host(self, worker: str, kv: WorkerKV, event: KVEvent) -> None:
+        host = self.host(worker)
+        host.events_seen += 1
+        if isinstance(event, BlockStored):
+            host.store(event, kv)
+        elif isinstance(event, BlockRemoved):
+            host.remove(event)
+        else:  # pragma: no cover - only stores and removals carry a medium
+            raise TypeError(f"unexpected host-tier event {type(event).__name__}")
 
     def reset_worker(self, worker: str) -> None:
-        """Forget everything about ``worker`` (its engine restarted); counting is kept."""
+        """Forget everything about ``worker`` (its engine restarted, the host tier with it);
+        counting is kept."""
         kv = self.worker(worker)
         kv.clear()
         kv.events_seen = 0
+        host = self._hosts.get(worker)
+        if host is not None:
+            host.clear()
+            host.events_seen = 0
 
     def drop_worker(self, worker: str) -> None:
         """Forget ``worker`` altogether (it left the fleet)."""
         self._workers.pop(worker, None)
+        self._hosts.pop(worker, None)
+
+    def host_tokens(self, worker: str, session: str) -> int:
+        """Tokens of ``session`` the host tier of ``worker`` holds (what a resume there can
+        load instead of recomputing, as far as the GPU does not hold them already)."""
+        host = self._hosts.get(worker)
+        return 0 if host is None else host.session_tokens.get(session, 0)
 
     def has_events(self, worker: str) -> bool:
         kv = self._workers.get(worker)

@@ -27,9 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.kv_events import BlockHash, BlockRemoved, BlockStored, KVEvent
-
-MEDIUM_CPU = "CPU"  # vllm/v1/kv_offload/base.py Medium.CPU, as its events spell it
+from scheduler.kv_events import MEDIUM_CPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 # ``_Chunk.pins`` of a chunk whose store has not completed (vLLM's ref_cnt of -1)
 _STORE_PENDING = -1

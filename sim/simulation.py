@@ -25,7 +25,6 @@ from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy
 from sim.engine import Engine, EngineRequest
-from sim.host_tier import MEDIUM_CPU
 from sim.programs import ProgramSpec
 from sim.step_time import StepTimeModel
 
@@ -505,12 +504,9 @@ class Simulation:
             self._push(until, _ENGINE, index, self._versions[index])
 
     def _publish(self, engine: Engine, now: float) -> None:
-        # The policy's KV index counts every BlockStored as GPU-resident and lets any
-        # BlockRemoved drop the hash, whatever its medium: the host tier's events (medium
-        # "CPU") would count parked blocks as GPU KV and a host eviction would erase a block
-        # still on the GPU. They are published by the engine and not handed to the policy.
-        events = [event for event in engine.take_events()
-                  if getattr(event, "medium", None) != MEDIUM_CPU]
+        # The GPU pool's and the host tier's (medium "CPU") events, as vLLM publishes them on
+        # one stream; the index keeps the media apart.
+        events = engine.take_events()
         if events:
             self.policy.observe_kv(engine.name, EventBatch(now, events, 0))
 

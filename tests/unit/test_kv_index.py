@@ -487,7 +487,7 @@ CONTINUATIONS = ["c1", "c2"]
 # One flat tuple per step (shrinks far better than a union of shapes); ``kind`` picks what the
 # step does, weighted by hand: clears and resets wipe the state, so they stay rare.
 step = st.tuples(
-    st.integers(0, 19),  # kind
+    st.integers(0, 23),  # kind
     st.sampled_from(WORKERS),
     st.lists(st.sampled_from(HASHES), min_size=1, max_size=4),
     st.sampled_from(SESSIONS + [None]),
@@ -509,7 +509,12 @@ def _op(raw: tuple) -> tuple:
         # mostly one hash per event, as vLLM sends them (and attribution needs one)
         return ("remove", worker, hashes if k == 17 else hashes[:1], cont,
                 n_tokens if n_tokens % 5 else None)
-    return ("clear", worker) if k == 18 else ("reset", worker)
+    if k < 20:
+        return ("clear", worker) if k == 18 else ("reset", worker)
+    # the host tier (medium "CPU"): stores name a session or none (the tier's own events)
+    if k < 22:
+        return ("host_store", worker, hashes, session, size, n_tokens)
+    return ("host_remove", worker, hashes)
 
 
 ops = st.lists(step, min_size=12, max_size=30).map(lambda raws: [_op(r) for r in raws])
@@ -609,7 +614,30 @@ def _replay(history: list[tuple], worker: str, queries: list) -> dict:
             "prefixes": prefixes, "conts": conts,
             "holes": {h: sum(1 for b in blocks.values() if b["parent"] == h) for h in holes},
             "caps": {c: sorted(ns) for c, ns in caps.items()},
-            "counters": (unknown, attributed, evicted)}
+            "counters": (unknown, attributed, evicted), "blocks": blocks}
+
+
+def _replay_host(history: list[tuple], worker: str) -> dict:
+    """Brute force for the host tier: a block belongs to the session its store names, else to
+    the sessions holding the hash on the GPU right then; GPU events never touch it."""
+    host: dict = {}  # hash -> (tokens, sessions)
+    for i, op in enumerate(history):
+        if op[1] != worker:
+            continue
+        if op[0] == "host_store":
+            _, _, hashes, session, size, n_tokens = op
+            gpu = _replay(history[:i], worker, [])["blocks"]
+            for h, t in zip(hashes, _tokens_per_block(len(hashes), n_tokens, size)):
+                if h not in host:
+                    owners = {session} if session is not None else set(gpu.get(h, {}).get("sessions", ()))
+                    host[h] = (t, owners)
+        elif op[0] == "host_remove":
+            for h in op[2]:
+                host.pop(h, None)
+        elif op[0] == "reset":
+            host = {}
+    return {s: sum(t for t, owners in host.values() if s in owners)
+            for s in SESSIONS if any(s in owners for _, owners in host.values())}
 
 
 @settings(max_examples=200, deadline=None)
@@ -632,6 +660,15 @@ def test_index_matches_a_brute_force_replay_after_every_step(history, queries):
             index.apply_batch(worker, EventBatch(ts=float(i), events=[AllBlocksCleared()]))
         elif kind == "reset":
             index.reset_worker(worker)
+        elif kind == "host_store":
+            _, _, hashes, session, size, n_tokens = op
+            ev = BlockStored(block_hashes=hashes, parent_block_hash=None,
+                             token_ids=list(range(n_tokens)), block_size=size, lora_id=None,
+                             medium="CPU", lora_name=None, session_id=session)
+            index.apply_batch(worker, EventBatch(ts=float(i), events=[ev]))
+        elif kind == "host_remove":
+            ev = BlockRemoved(block_hashes=op[2], medium="CPU")
+            index.apply_batch(worker, EventBatch(ts=float(i), events=[ev]))
         else:
             index.worker(worker).set_counted(op[2], op[3])
 
@@ -658,3 +695,50 @@ def test_index_matches_a_brute_force_replay_after_every_step(history, queries):
             assert kv.continuation_tokens(CONTINUATIONS) == max(want["conts"].values()), where
             assert (kv.unknown_removals, kv.attributed_removals, kv.evicted_tokens) == \
                 want["counters"], where
+            # the host tier is its own: GPU events never change it, nor it the GPU's answers
+            want_host = _replay_host(history[: i + 1], w)
+            for s in SESSIONS:
+                assert index.host_tokens(w, s) == want_host.get(s, 0), (s, where)
+
+
+# -- media: the host tier (medium "CPU") is kept apart from the GPU ---------------------------
+
+def _host_stored(hashes, session=None) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                       block_size=16, lora_id=None, medium="CPU", lora_name=None,
+                       session_id=session)
+
+
+def test_a_host_store_counts_in_the_tier_not_on_the_gpu():
+    index = KVIndex()
+    index.apply_events("w", [stored([1, 2], session="a"), _host_stored([1, 2])])
+    assert index.session_tokens("w", "a") == 32  # GPU only, unchanged by the tier's copy
+    assert index.host_tokens("w", "a") == 32  # owners taken from the GPU copy
+
+
+def test_a_host_removal_never_drops_a_gpu_block_nor_a_gpu_removal_a_host_one():
+    index = KVIndex()
+    index.apply_events("w", [stored([1, 2], session="a"), _host_stored([1, 2])])
+    index.apply_events("w", [BlockRemoved(block_hashes=[2], medium="CPU")])
+    assert index.session_tokens("w", "a") == 32
+    assert index.host_tokens("w", "a") == 16
+    index.apply_events("w", [removed([1, 2])])
+    assert index.session_tokens("w", "a") == 0
+    assert index.host_tokens("w", "a") == 16
+    assert index.worker("w").unknown_removals == 0
+
+
+def test_a_host_block_stored_after_its_gpu_copy_left_counts_for_nobody():
+    index = KVIndex()
+    index.apply_events("w", [_host_stored([7])])
+    assert index.host(("w")).resident_tokens == 16
+    assert index.host_tokens("w", "a") == 0
+
+
+def test_clear_keeps_the_tier_and_reset_forgets_it():
+    index = KVIndex()
+    index.apply_events("w", [stored([1], session="a"), _host_stored([1])])
+    index.apply_events("w", [AllBlocksCleared()])
+    assert index.host_tokens("w", "a") == 16
+    index.reset_worker("w")
+    assert index.host_tokens("w", "a") == 0
