@@ -35,14 +35,15 @@ import anyio
 
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
 from controller.serve_config import LimitsConfig
-from scheduler.actions import Action, Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
+from scheduler.actions import (Action, Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release,
+                               Resume, Retain)
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy, UnknownCall
 from scheduler.snapshot import PolicySnapshot, ProgramView
 
-Directive = Retain | Demote | Release
+Directive = Retain | Demote | Release | Offload | Prefetch
 
 
 # A learnt policy setting is logged again once it moves by more than this share.
@@ -406,7 +407,7 @@ class Admission:
                     self.sink.send(action)
                     self._log.info("program released", session_id=action.session_id,
                                    worker=action.worker, reason=action.reason)
-                case Retain() | Demote():
+                case Retain() | Demote() | Offload() | Prefetch():
                     self.sink.send(action)
                 case Pause():
                     self._log.info("program paused", session_id=action.session_id,

@@ -1,4 +1,4 @@
-"""The directive sender: the policy's Retain / Demote / Release actions as KvHint-shaped
+"""The directive sender: the policy's Retain / Demote / Release / Offload / Prefetch actions as KvHint-shaped
 envelopes to each worker's engine plugin (``sluice_vllm_plugin/directives.py``).
 
 One ZMQ PUSH socket per worker that has a ``directives`` endpoint, connected to the plugin's
@@ -17,9 +17,10 @@ import zmq
 
 from controller.admission import Directive, DirectiveSink
 from controller.serve_config import WorkerConfig
-from scheduler.actions import Demote, Release, Retain
+from scheduler.actions import Demote, Offload, Prefetch, Release, Retain
 from sluice_vllm_plugin.directive_envelope import (PROTOCOL_VERSION, Envelope, KvAction, KvDemote,
-                                                  KvRelease, KvRetain, RetainPayload,
+                                                  KvOffload, KvPrefetch, KvRelease, KvRetain,
+                                                  OffloadPayload, PrefetchPayload, RetainPayload,
                                                   SessionPayload, encode_json)
 
 SEND_HWM = 10_000
@@ -35,6 +36,11 @@ def kv_action(action: Directive, action_id: str) -> KvAction:
             return KvDemote(SessionPayload(action.session_id), action_id)
         case Release():
             return KvRelease(SessionPayload(action.session_id), action_id)
+        case Offload():
+            return KvOffload(OffloadPayload(action.session_id, action.continuation_id), action_id)
+        case Prefetch():
+            return KvPrefetch(PrefetchPayload(action.session_id, action.continuation_id,
+                                              action.priority, action.deadline_s), action_id)
         case _:
             assert_never(action)
 

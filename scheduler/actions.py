@@ -83,5 +83,29 @@ class Release:
     reason: str
 
 
-Action = Admit | Hold | Resume | Pause | Mark | Retain | Demote | Release
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Park the session's KV on ``worker`` in its host tier and let the GPU copy go first
+    (``kv.offload``: it replaces a :class:`Demote`, which it includes)."""
+
+    session_id: SessionId
+    worker: WorkerName
+    continuation_id: ContinuationId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """The session is about to run on ``worker`` again: keep its host-tier KV ahead of
+    others' (lower ``priority`` gives way first) until ``deadline_s`` seconds from now (None:
+    until its next call loads it or a :class:`Release`), and undo a GPU demotion
+    (``kv.prefetch``)."""
+
+    session_id: SessionId
+    worker: WorkerName
+    priority: int
+    continuation_id: ContinuationId | None = None
+    deadline_s: float | None = None
+
+
+Action = Admit | Hold | Resume | Pause | Mark | Retain | Demote | Release | Offload | Prefetch
 Decision = Admit | Hold

@@ -55,6 +55,17 @@ class RetentionConfig(_Strict):
     ttl_s: Positive = 300.0
     # Re-send a Retain when less than this share of its TTL is left.
     refresh_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
+    # The workers have a host KV tier (vLLM's CPU offloading): program_aware sends Offload
+    # instead of Demote when it pauses a program, and Prefetch when it resumes one whose KV
+    # the tier holds (docs/design-notes.md "Host KV tier on real vLLM").
+    host_tier: bool = False
+    # Among prefetched sessions the tier gives up the lowest priority first.
+    prefetch_priority: Annotated[int, Field(ge=0, le=100)] = 50
+    # How long a Prefetch's favour lasts (None: until the session's call loads its blocks).
+    prefetch_deadline_s: Positive | None = None
+    # Offload a program when it turns dormant too (its KV then goes first on the GPU and its
+    # Retain is not refreshed until its next call), not only when it is paused.
+    offload_dormant: bool = False
 
 
 class BaselineConfig(_Strict):

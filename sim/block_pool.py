@@ -331,6 +331,10 @@ class BlockPool:
         self._session_class.pop(session_id, None)
         self._reclass(session_id, NORMAL_CLASS)
 
+    def session_block_ids(self, session_id: str) -> list[int]:
+        """The blocks the session owns (stored them first), in the order it got them."""
+        return list(self._session_blocks.get(session_id, ()))
+
     def _class_of(self, session_id: str) -> int:
         entry = self._session_class.get(session_id)
         return NORMAL_CLASS if entry is None else entry[0]

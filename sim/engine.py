@@ -466,6 +466,32 @@ class Engine:
             budget -= n
         return scheduled
 
+    # -- Sluice's host-tier directives ------------------------------------------------------
+
+    def offload(self, session_id: str) -> None:
+        """``kv.offload`` as the plugin runs it: park the session's blocks the tier holds (its
+        prompt blocks are there already: stored as they were computed), demote it on the GPU.
+        Without a tier it is a demotion."""
+        if self.host_tier is not None:
+            pool = self.pool
+            keys = [pool.block_hash[block_id] for block_id in pool.session_block_ids(session_id)]
+            self.host_tier.park(session_id, [key for key in keys if key is not None])
+        self.pool.demote(session_id)
+
+    def prefetch(self, session_id: str, priority: int, deadline_s: float | None, now: float) -> None:
+        """``kv.prefetch``: favour the session's parked blocks in the tier until the deadline
+        (the load itself happens when its call arrives, as in vLLM) and undo its demotion."""
+        if self.host_tier is not None:
+            until = float("inf") if deadline_s is None else now + deadline_s
+            self.host_tier.favour(session_id, priority, until)
+        self.pool.release(session_id)
+
+    def release_session(self, session_id: str) -> None:
+        """``kv.release``: forget the session's bias on the GPU and in the tier."""
+        if self.host_tier is not None:
+            self.host_tier.unfavour(session_id)
+        self.pool.release(session_id)
+
     # -- host tier ----------------------------------------------------------------------
 
     def _host_progress(self, now: float) -> None:
@@ -474,6 +500,7 @@ class Engine:
         requests become admissible."""
         tier = self.host_tier
         assert tier is not None
+        tier.expire_favours(now)
         stores = self._stores
         while stores and stores[0][0] <= now:
             tier.complete_store(stores.popleft()[1])

@@ -18,6 +18,12 @@ block (vLLM's default ``blocks_per_chunk = 1``), keyed by the block's hash:
 - events: ``BlockRemoved`` (medium ``"CPU"``) when chunks are evicted, ``BlockStored`` (medium
   ``"CPU"``) when a store completes.
 
+Sluice's directives (the engine plugin's semantics, ``sluice_vllm_plugin/host_tier.py``):
+``park`` (``kv.offload``) remembers the session's held keys and makes them most recent;
+``favour`` (``kv.prefetch``) puts the session's parked keys behind everyone else's in eviction,
+favoured ones going by ascending priority (a bias, never a pin), until its deadline, a load of
+one of its keys, or ``unfavour`` (``kv.release``). With no directive eviction is vLLM's.
+
 Transfers go over the worker's host link (PCIe), one queue per direction (the link is full
 duplex): a copy starts when the link is free and lasts bytes / bandwidth.
 """
@@ -88,6 +94,11 @@ class HostTier:
         self._evictable = 0
         self._requests: dict[str, _RequestAccess] = {}
         self._events: list[KVEvent] = []
+        # Sluice's directives: session -> its parked keys; key -> its session (bounded by the
+        # tier: a key leaves both when it is evicted); favoured session -> (priority, until)
+        self._parked: dict[str, dict[BlockHash, None]] = {}
+        self._parked_by: dict[BlockHash, str] = {}
+        self._favoured: dict[str, tuple[int, float]] = {}
 
     # -- what it holds ----------------------------------------------------------------
 
@@ -147,15 +158,26 @@ class HostTier:
             if shortfall > self._evictable:
                 return None
             offered = set(keys)
-            for key, chunk in chunks.items():
+            favoured, parked_by = self._favoured, self._parked_by
+            spared: list[tuple[int, int, BlockHash]] = []
+            for rank, (key, chunk) in enumerate(chunks.items()):
                 if chunk.pins == 0 and key not in offered:
+                    owner = parked_by.get(key) if favoured else None
+                    if owner is not None and owner in favoured:
+                        spared.append((favoured[owner][0], rank, key))
+                        continue
                     evicted.append(key)
                     if len(evicted) == shortfall:
                         break
             if len(evicted) < shortfall:
+                # favoured keys go last, the lowest priority first, each session's LRU first
+                spared.sort()
+                evicted += [key for _, _, key in spared[:shortfall - len(evicted)]]
+            if len(evicted) < shortfall:
                 return None
             for key in evicted:
                 del chunks[key]
+                self._unpark(key)
             self._evictable -= len(evicted)
             if self.enable_events:
                 self._events.append(BlockRemoved(list(evicted), MEDIUM_CPU))
@@ -187,6 +209,10 @@ class HostTier:
                 self._evictable -= 1
             chunk.pins += 1
             positions.setdefault(key, index)
+            if self._favoured:
+                owner = self._parked_by.get(key)
+                if owner is not None:
+                    self._favoured.pop(owner, None)  # it is coming back: the favour has done its work
 
     def complete_load(self, keys: Sequence[BlockHash]) -> None:
         for key in keys:
@@ -196,6 +222,54 @@ class HostTier:
             chunk.pins -= 1
             if chunk.pins == 0:
                 self._evictable += 1
+
+    # -- Sluice's directives ----------------------------------------------------------
+
+    def park(self, session_id: str, keys: Sequence[BlockHash]) -> int:
+        """``kv.offload``: remember the held ones of ``keys`` (prefix order) as the session's
+        and make them most recent; returns how many were held."""
+        held = [key for key in keys if key in self._chunks]
+        if not held:
+            return 0
+        parked = self._parked.setdefault(session_id, {})
+        for key in held:
+            previous = self._parked_by.get(key)
+            if previous is not None and previous != session_id:
+                self._unpark(key)
+                parked = self._parked.setdefault(session_id, {})
+            parked[key] = None
+            self._parked_by[key] = session_id
+        self._rerank(held)
+        return len(held)
+
+    def favour(self, session_id: str, priority: int, until: float) -> None:
+        """``kv.prefetch``: the session's parked keys go after everyone else's until ``until``."""
+        if session_id in self._parked:
+            self._favoured[session_id] = (priority, until)
+
+    def unfavour(self, session_id: str) -> None:
+        """``kv.release``: forget the session's favour and what it parked."""
+        self._favoured.pop(session_id, None)
+        for key in self._parked.pop(session_id, ()):
+            del self._parked_by[key]
+
+    def expire_favours(self, now: float) -> None:
+        if self._favoured:
+            for session_id in [s for s, (_, until) in self._favoured.items() if until <= now]:
+                del self._favoured[session_id]
+
+    def parked_keys(self, session_id: str) -> list[BlockHash]:
+        return list(self._parked.get(session_id, ()))
+
+    def _unpark(self, key: BlockHash) -> None:
+        owner = self._parked_by.pop(key, None)
+        if owner is None:
+            return
+        parked = self._parked[owner]
+        del parked[key]
+        if not parked:
+            del self._parked[owner]
+            self._favoured.pop(owner, None)
 
     # -- recency ----------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ gateway runs, in virtual time (architecture.md §1, §5.6).
 The driver only feeds the policy observations (arrivals, completions with usage, KV event
 batches from the engines, ticks) and carries out its decisions: an ``Admit`` queues the
 call on that engine with the admission's priority, a ``Hold`` keeps it until a later
-``Admit``, and ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order. It
+``Admit``, ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order, and
+``Offload`` / ``Prefetch`` do the same in its host tier (the engine plugin's semantics). It
 never decides anything itself.
 """
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.actions import Action, Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
+from scheduler.actions import (Action, Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release,
+                               Resume, Retain)
 from scheduler.calls import CallRequest, Usage
 from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 from scheduler.kv_events import EventBatch
@@ -558,8 +560,13 @@ class Simulation:
                 case Demote() if self.apply_retention:
                     self._by_name[action.worker].pool.demote(action.session_id)
                 case Release() if self.apply_retention and action.worker is not None:
-                    self._by_name[action.worker].pool.release(action.session_id)
-                case Retain() | Demote() | Release() | Pause() | Resume() | Mark():
+                    self._by_name[action.worker].release_session(action.session_id)
+                case Offload() if self.apply_retention:
+                    self._by_name[action.worker].offload(action.session_id)
+                case Prefetch() if self.apply_retention:
+                    self._by_name[action.worker].prefetch(action.session_id, action.priority,
+                                                          action.deadline_s, now)
+                case Retain() | Demote() | Release() | Offload() | Prefetch() | Pause() | Resume() | Mark():
                     pass  # the policy keeps its own account of these; the engines need nothing
                 case Hold():
                     raise TypeError(f"a policy returned Hold as an action: {action}")

@@ -37,13 +37,18 @@ soft band → retention.
 - **Retention**: a placed or resumed program gets ``Retain`` (refreshed before its TTL
   runs out while it stays active, dormant or not); a paused one ``Demote``; a released one
   ``Release``.
+- **Host tier** (``retention.host_tier``): a paused program gets ``Offload`` instead of
+  ``Demote`` (its KV waits in host memory, most recent, rather than being lost), a resumed one
+  whose KV the tier holds gets ``Prefetch`` (kept there until its call loads it back), and with
+  ``offload_dormant`` a program turning dormant is offloaded too (no Retain refresh until its
+  next call).
 """
 
 from __future__ import annotations
 
 import math
 
-from scheduler.actions import Action, Admit, Decision, Demote, Mark, Pause, Retain
+from scheduler.actions import Action, Admit, Decision, Demote, Mark, Offload, Pause, Prefetch, Retain
 from scheduler.calls import CallRequest
 from scheduler.config import ProgramAwareConfig
 from scheduler.ledger import TokenWeights
@@ -104,6 +109,10 @@ class ProgramAwarePolicy(Policy):
         (the program is then PENDING and parked)."""
         if program.active and program.home_worker is not None:
             if self.ledger.worker(program.home_worker).healthy:
+                retention = self.config.retention
+                if (retention.enabled and retention.host_tier and retention.offload_dormant
+                        and program.session_id not in self._retained_until):
+                    self._retention_due[program.session_id] = None  # offloaded while dormant
                 return self._admit(call, program.home_worker)
             self._unhome(program, now)
         if program.paused:
@@ -202,7 +211,7 @@ class ProgramAwarePolicy(Policy):
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         actions += self._release_idle(now)
-        self._mark_dormant(now)
+        actions += self._mark_dormant(now)
         actions += self._overdue(now)
         actions += self._resume(now)
         actions += self._pause(now)
@@ -210,10 +219,14 @@ class ProgramAwarePolicy(Policy):
         actions += self._retention(now)
         return actions
 
-    def _mark_dormant(self, now: float) -> None:
+    def _mark_dormant(self, now: float) -> list[Action]:
         """ACTING programs past the tool-time cutoff stop counting in U. Their KV keeps its
         retention: among retained KV the engine's LRU takes theirs first anyway, and
-        demoting it measured worse (docs/design-notes.md "Policy v2")."""
+        demoting it measured worse (docs/design-notes.md "Policy v2"). With a host tier and
+        ``offload_dormant`` it is offloaded instead: host memory holds it until the call."""
+        retention = self.config.retention
+        offload = retention.enabled and retention.host_tier and retention.offload_dormant
+        actions: list[Action] = []
         for _, session, since in self._dormancy_checks.pop_due(now):
             program = self.programs.get(session)
             if (program is None or not program.active or program.phase is not Phase.ACTING
@@ -221,6 +234,14 @@ class ProgramAwarePolicy(Policy):
                 continue  # reasoning again, paused or gone since the check was set
             self.ledger.set_dormant(program)
             self.stats.dormant += 1
+            if offload and program.home_worker is not None:
+                self._retained_until.pop(session, None)  # no refresh: its next call retains it
+                actions.append(Offload(program.session_id, program.home_worker, self._head(program)))
+        return actions
+
+    @staticmethod
+    def _head(program: Program):
+        return program.chain.head if program.chain is not None else None
 
     def _overdue(self, now: float) -> list[Action]:
         """Bounded waiting: a call held ``max_wait_s`` goes ahead with its program, room or
@@ -374,7 +395,15 @@ class ProgramAwarePolicy(Policy):
     def _resume_program(self, program: Program, worker: str, now: float, forced: bool) -> list[Action]:
         self._retention_due[program.session_id] = None
         self._queue.discard(program.session_id)
-        return self._parking.resume(program, worker, now, forced, self.config.resume_priority_boost_s)
+        was_paused = program.paused
+        actions = self._parking.resume(program, worker, now, forced, self.config.resume_priority_boost_s)
+        retention = self.config.retention
+        if (was_paused and retention.enabled and retention.host_tier
+                and self.index.host_tokens(worker, program.session_id) > 0):
+            # its calls were just admitted; the tier keeps its KV until they load it
+            actions.insert(0, Prefetch(program.session_id, worker, retention.prefetch_priority,
+                                       self._head(program), retention.prefetch_deadline_s))
+        return actions
 
     # -- pause -----------------------------------------------------------------------
 
@@ -421,7 +450,10 @@ class ProgramAwarePolicy(Policy):
         self._requeue(program)
         self._retained_until.pop(program.session_id, None)
         actions: list[Action] = [Pause(program.session_id, worker)]
-        if self.config.retention.enabled:
+        retention = self.config.retention
+        if retention.enabled and retention.host_tier:
+            actions.append(Offload(program.session_id, worker, self._head(program)))
+        elif retention.enabled:
             actions.append(Demote(program.session_id, worker))
         return actions
 

@@ -54,6 +54,9 @@ BOUNDS: dict[str, str] = {
     # the KV mirror is bounded by the engines' blocks; this driver sends no KV events, so
     # what it holds is the sessions counted in it
     "index._workers.values.*": LIVE,
+    # the host tier's mirror: bounded by the tier's chunks, and empty here for the same reason
+    "index._hosts": WORKER,
+    "index._hosts.values.*": LIVE,
     # least_loaded: VERL's sticky routing cache (an LRU of baselines.sticky_lru_size)
     "_sticky": WINDOW,
     # least_loaded, autellix, kv_aware: per-worker counters

@@ -1,0 +1,188 @@
+"""Offload and Prefetch (issue 13): program_aware's host-tier rules, the directive mapping,
+and the simulator's execution of them with the engine plugin's semantics."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.directives import kv_action
+from scheduler.actions import Admit, Demote, Offload, Pause, Prefetch, Resume, Retain
+from scheduler.kv_events import MEDIUM_CPU, BlockStored, EventBatch
+from sim.host_tier import HostTier
+from sluice_vllm_plugin.directive_envelope import KvOffload, KvPrefetch
+from tests.unit.test_program_aware import Driver, _learn_tool_times, make, of, sessions
+
+
+def _tier(**retention):
+    return {"retention": {"host_tier": True, **retention}}
+
+
+def _paused_pair(d: Driver) -> list:
+    for sid, ctx in [("d", 360), ("b", 200), ("c", 300), ("a", 100)]:
+        d.acting(sid, ctx)
+    return d.p.tick(1.0)
+
+
+def _host_holds(d: Driver, session: str, worker: str = "w0", blocks: int = 2) -> None:
+    event = BlockStored(block_hashes=[f"{session}{i}".encode() for i in range(blocks)],
+                        parent_block_hash=None, token_ids=[], block_size=16, lora_id=None,
+                        medium=MEDIUM_CPU, lora_name=None, session_id=session)
+    d.p.observe_kv(worker, EventBatch(0.0, [event], 0))
+
+
+def test_without_the_key_a_pause_demotes_as_before() -> None:
+    actions = _paused_pair(Driver(make()))
+    assert sessions(actions, Demote) == ["a", "b"] and of(actions, Offload) == []
+
+
+def test_with_the_tier_a_pause_offloads_instead_of_demoting() -> None:
+    actions = _paused_pair(Driver(make(**_tier())))
+    assert sessions(actions, Pause) == ["a", "b"]
+    assert of(actions, Offload) == [Offload("a", "w0"), Offload("b", "w0")]
+    assert of(actions, Demote) == []
+
+
+def test_a_resumed_program_whose_kv_the_tier_holds_is_prefetched_before_its_calls() -> None:
+    d = Driver(make(**_tier(prefetch_priority=70, prefetch_deadline_s=20.0)))
+    _paused_pair(d)
+    _host_holds(d, "a")
+    assert d.p.index.host_tokens("w0", "a") == 32 and d.p.index.session_tokens("w0", "a") == 0
+    assert not isinstance(d.arrive("a", 100, 2.0), Admit)  # paused: held
+    actions = d.p.tick(3.0)
+    assert sessions(actions, Resume) == ["a"]
+    assert actions[0] == Prefetch("a", "w0", 70, None, 20.0)
+    assert of(actions, Admit) and of(actions, Retain)  # its call goes, and it is retained again
+
+
+def test_no_prefetch_when_the_tier_holds_nothing_of_it() -> None:
+    d = Driver(make(**_tier()))
+    _paused_pair(d)
+    d.arrive("a", 100, 2.0)
+    actions = d.p.tick(3.0)
+    assert sessions(actions, Resume) == ["a"] and of(actions, Prefetch) == []
+
+
+def test_offload_dormant_offloads_a_program_turning_dormant_and_retains_it_at_its_next_call() -> None:
+    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0, **_tier(offload_dormant=True)))
+    now = _learn_tool_times(d, 2.0)
+    d.acting("a", 600, now)
+    d.p.tick(now + 1.0)  # its Retain goes out
+    actions = d.p.tick(now + 2.0)
+    assert of(actions, Offload) == [Offload("a", "w0")]
+    assert d.p.ledger.is_dormant("a")
+    assert isinstance(d.arrive("a", 650, now + 30.0), Admit)
+    assert sessions(d.p.tick(now + 31.0), Retain) == ["a"]  # retained again at its next call
+
+
+def test_dormancy_alone_does_not_offload() -> None:
+    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0, **_tier()))
+    now = _learn_tool_times(d, 2.0)
+    d.acting("a", 600, now)
+    assert of(d.p.tick(now + 2.0), Offload) == []
+
+
+def test_offload_and_prefetch_map_to_the_envelopes_actions() -> None:
+    offload = kv_action(Offload("s", "w0", "c1"), "m.0")
+    assert isinstance(offload, KvOffload)
+    assert (offload.payload.session_id, offload.payload.continuation_id) == ("s", "c1")
+    prefetch = kv_action(Prefetch("s", "w0", 60, None, 5.0), "m.1")
+    assert isinstance(prefetch, KvPrefetch)
+    assert (prefetch.payload.priority, prefetch.payload.deadline_s) == (60, 5.0)
+
+
+# -- the simulator's tier: park and favour ------------------------------------------------------
+
+def _filled(keys: list[str]) -> HostTier:
+    tier = HostTier(len(keys), 16, enable_events=False)
+    for i, key in enumerate(keys):
+        assert tier.prepare_store([key], f"r{i}", 0) is not None
+        tier.complete_store([key])
+    return tier
+
+
+def test_park_makes_the_sessions_held_keys_most_recent() -> None:
+    tier = _filled(["a0", "a1", "x", "y"])
+    assert tier.park("a", ["a0", "a1", "gone"]) == 2
+    # re-ranked tail first, as vLLM's touch: the prefix's head ends most recent
+    assert tier.keys_lru_first() == ["x", "y", "a1", "a0"]
+    assert tier.parked_keys("a") == ["a0", "a1"]
+
+
+def test_favoured_keys_are_evicted_after_everyone_elses_lowest_priority_first() -> None:
+    tier = _filled(["a0", "b0", "x", "y"])
+    tier.park("a", ["a0"])
+    tier.park("b", ["b0"])
+    tier.favour("a", 80, float("inf"))
+    tier.favour("b", 20, float("inf"))
+    outcome = tier.prepare_store(["n0", "n1", "n2"], "r", 0)
+    assert outcome is not None and outcome.evicted == ["x", "y", "b0"]
+    assert "a0" in tier and tier.parked_keys("b") == []
+
+
+def _favoured_a0_behind_x(until: float) -> HostTier:
+    tier = _filled(["a0", "x"])
+    tier.park("a", ["a0"])
+    tier.touch(["x"])  # a0 is the least recent again: only the favour spares it
+    tier.favour("a", 50, until)
+    return tier
+
+
+def test_a_favour_ends_at_its_deadline_and_with_a_load_of_its_keys() -> None:
+    tier = _favoured_a0_behind_x(10.0)
+    tier.expire_favours(9.0)
+    outcome = tier.prepare_store(["n"], "r", 0)
+    assert outcome is not None and outcome.evicted == ["x"]  # favoured: spared
+    tier = _favoured_a0_behind_x(10.0)
+    tier.expire_favours(10.0)
+    outcome = tier.prepare_store(["n"], "r", 0)
+    assert outcome is not None and outcome.evicted == ["a0"]  # LRU again, as vLLM's
+    tier = _favoured_a0_behind_x(float("inf"))
+    tier.prepare_load(["a0"], "ra", 0)
+    tier.complete_load(["a0"])
+    outcome = tier.prepare_store(["n"], "r", 0)
+    assert outcome is not None and outcome.evicted == ["a0"]  # loaded: the favour did its work
+
+
+def test_without_directives_eviction_is_unchanged() -> None:
+    tier = _filled(["a", "b", "c"])
+    outcome = tier.prepare_store(["n"], "r", 0)
+    assert outcome is not None and outcome.evicted == ["a"]
+
+
+def test_unfavour_forgets_what_the_session_parked() -> None:
+    tier = _filled(["a0", "x"])
+    tier.park("a", ["a0"])
+    tier.favour("a", 50, float("inf"))
+    tier.unfavour("a")
+    assert tier.parked_keys("a") == []
+    outcome = tier.prepare_store(["n"], "r", 0)
+    assert outcome is not None and outcome.evicted == ["x"]  # a0 is most recent since the park
+
+
+@pytest.mark.parametrize("deadline", [None, 5.0])
+def test_engine_offload_parks_and_demotes_and_prefetch_undoes_the_demotion(deadline) -> None:
+    from sim.block_pool import LOW_CLASS, NORMAL_CLASS
+    from sim.engine import Engine, EngineRequest
+    from sim.step_time import preset
+
+    model = preset("llama3.1-8b-h100").with_host_tier(1.0)
+    engine = Engine("w0", model, num_blocks=64, block_size=16)
+    hashes = [f"h{i}".encode() for i in range(4)]
+    engine.add_request(EngineRequest(request_id="s#0", session_id="s", hashes=hashes,
+                                     prompt_tokens=64, output_tokens=2, priority=0.0,
+                                     arrival=0.0), 0.0)
+    now = 0.0
+    for _ in range(20):  # run it to the end, then let the GPU→host copies land
+        until = engine.start(now) if engine.idle else engine.busy_until
+        if until is None:
+            break
+        now = until
+        engine.complete()
+    engine.start(now + 10.0)
+    tier = engine.host_tier
+    assert tier is not None and sum(key in tier for key in hashes) >= 3
+    engine.offload("s")
+    assert tier.parked_keys("s")
+    assert engine.pool._class_of("s") == LOW_CLASS
+    engine.prefetch("s", 60, deadline, now)
+    assert engine.pool._class_of("s") == NORMAL_CLASS
