@@ -245,21 +245,18 @@ class ClassedFreeQueue(_FreeQueue):
             stale = c.stale
             while k:
                 block = popleft()
-                if stale and block.block_id in stale:
-                    self._drop_stale(stale, block.block_id)
-                    continue
+                if stale:
+                    copies = stale.pop(block.block_id, 0)
+                    if copies:      # a stale entry: skipped
+                        if copies > 1:
+                            stale[block.block_id] = copies - 1
+                        continue
                 taken.append(block)
                 k -= 1
         owner = self._owner
         for block in taken:
             owner[block.block_id] = None
         return taken
-
-    @staticmethod
-    def _drop_stale(stale: dict, block_id: int) -> None:
-        copies = stale.pop(block_id)
-        if copies > 1:
-            stale[block_id] = copies - 1
 
     def remove(self, block: Any) -> None:
         if block.prev_free_block is not None:       # in vLLM's list
@@ -381,33 +378,51 @@ class ClassedFreeQueue(_FreeQueue):
         return [b for record in kept for b in record.blocks]
 
     def reclass_session(self, session: str, cls: int) -> None:
-        """Move the session's free cached blocks to ``cls``, in the order they became its own."""
+        """Move the session's free cached blocks to ``cls``, in the order they became its own.
+
+        Runs twice per retained request (the retain, then its expiry) over every block the
+        session owns, so the per-block steps of ``_take_out`` / ``_Class.take_out`` are inlined
+        here and the counters and compaction settled once per class at the end."""
         where = self._where
         front = self._front
         target = None if cls == NORMAL_CLASS else self._class(cls)
-        to_list = []            # for NORMAL_CLASS: appended to the list's tail together
+        moved = []              # in ownership order, to the target's tail together
+        left: set = set()       # side classes blocks were taken out of
         for block in self.owned(session):
             if block.ref_cnt != 0 or block._block_hash is None:
                 continue
             block_id = block.block_id
             if block.prev_free_block is not None:     # in the list: unhashed or normal
-                if block_id not in front and target is None:
+                if target is None and block_id not in front:
                     continue
                 front.discard(block_id)
                 _vllm_remove(self, block)
             else:
-                if where[block_id] is target:
+                source = where[block_id]
+                if source is target:
                     continue
-                self._take_out(block_id)
-            if target is None:
-                to_list.append(block)
-            else:
-                where[block_id] = target
-                target.q.append(block)
-                target.live += 1
-                self._side_live += 1
-                self.num_free_blocks += 1
-        _vllm_append_n(self, to_list)
+                # leaves its side class; the entry stays there, counted as stale
+                stale = source.stale
+                stale[block_id] = stale.get(block_id, 0) + 1
+                source.live -= 1
+                self._side_live -= 1
+                self.num_free_blocks -= 1
+                left.add(source)
+            moved.append(block)
+        for source in left:
+            if len(source.q) > 2 * source.live + COMPACT_SLACK:
+                source.compact()
+        if not moved:
+            return
+        if target is None:
+            _vllm_append_n(self, moved)
+            return
+        for block in moved:
+            where[block.block_id] = target
+        target.q.extend(moved)
+        target.live += len(moved)
+        self._side_live += len(moved)
+        self.num_free_blocks += len(moved)
 
 
 class Retention:
