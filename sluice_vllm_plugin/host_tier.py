@@ -42,7 +42,8 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+from vllm.v1.core.kv_cache_utils import (BlockHash, get_block_hash, get_group_id,
+                                         make_block_hash_with_group_id)
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu import manager as _cpu_manager
 
@@ -57,9 +58,22 @@ _DIRECTIVE_CONTEXT = ReqContext(req_id="sluice-directive")
 _HELD = (LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
+def _keys_are_block_hashes() -> bool:
+    """Whether vLLM packs an ``OffloadKey`` exactly as the GPU pool's ``BlockHashWithGroupId``
+    (a block hash, then the group id as 4 big-endian bytes; true of 0.32): then a block's key in
+    the tier is its hash as it is, with no unpacking and repacking per block."""
+    sample = make_block_hash_with_group_id(BlockHash(b"sluice-probe"), 7)
+    return make_offload_key(get_block_hash(sample), get_group_id(sample)) == sample
+
+
+_SAME_KEYS = _keys_are_block_hashes()
+
+
 def offload_keys(blocks: Iterable[Any]) -> list:
     """The ``OffloadKey`` each GPU block's hash would have in the tier (chunks of one block; with
     larger chunks only every chunk's last block has one there, and the rest are not held)."""
+    if _SAME_KEYS:       # a directive walks every block the session owns
+        return [block._block_hash for block in blocks if block._block_hash is not None]
     keys = []
     for block in blocks:
         block_hash = block.block_hash

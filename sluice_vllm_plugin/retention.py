@@ -40,6 +40,7 @@ import queue
 import time
 import weakref
 from collections import deque
+from itertools import repeat
 from typing import Any, Callable
 
 from vllm.v1.core import block_pool as _bp
@@ -75,41 +76,41 @@ class _Freed:
 
 class _Class:
     """The free blocks of one hashed eviction class, LRU first. ``q`` may hold stale entries
-    (see :class:`ClassedFreeQueue`); ``live`` counts the others."""
+    (see :class:`ClassedFreeQueue`); ``t`` holds each entry's join ticket; ``live`` counts the
+    entries that are not stale."""
 
-    __slots__ = ("cls", "q", "live", "stale")
+    __slots__ = ("cls", "q", "t", "live")
 
     def __init__(self, cls: int) -> None:
         self.cls = cls
         self.q: deque = deque()
+        self.t: deque = deque()
         self.live = 0
-        self.stale: dict[int, int] = {}     # block id -> stale entries of it in q
 
-    def take_out(self, block_id: int) -> None:
-        """The block leaves the class: its entry stays, counted as stale."""
-        stale = self.stale
-        stale[block_id] = stale.get(block_id, 0) + 1
-        self.live -= 1
+    def join(self, blocks: list, where: list, tickets: list, ticket: int) -> None:
+        """The blocks join the class's tail together, under one ticket."""
+        for block in blocks:
+            block_id = block.block_id
+            where[block_id] = self
+            tickets[block_id] = ticket
+        self.q.extend(blocks)
+        self.t.extend(repeat(ticket, len(blocks)))
+        self.live += len(blocks)
+
+    def compact_if_stale(self, where: list, tickets: list) -> None:
+        """Drop the stale entries once they outnumber the live ones (by COMPACT_SLACK)."""
         if len(self.q) > 2 * self.live + COMPACT_SLACK:
-            self.compact()
+            live = self.entries(where, tickets)
+            self.q = deque(block for block, _ in live)
+            self.t = deque(ticket for _, ticket in live)
 
-    def compact(self) -> None:
-        self.q = deque(self.blocks())
-        self.stale.clear()
+    def entries(self, where: list, tickets: list) -> list:
+        """The live entries, LRU first: an entry is live while its block's latest join is it."""
+        return [(block, ticket) for block, ticket in zip(self.q, self.t)
+                if where[block.block_id] is self and tickets[block.block_id] == ticket]
 
-    def blocks(self) -> list:
-        """The live blocks, LRU first: a block's stale entries are its oldest ones."""
-        if not self.stale:
-            return list(self.q)
-        skip = dict(self.stale)
-        out = []
-        for block in self.q:
-            copies = skip.get(block.block_id)
-            if copies:
-                skip[block.block_id] = copies - 1
-            else:
-                out.append(block)
-        return out
+    def blocks(self, where: list, tickets: list) -> list:
+        return [block for block, _ in self.entries(where, tickets)]
 
 
 # vLLM's own free queue methods, called on a ClassedFreeQueue (a subclass) for the blocks that
@@ -132,13 +133,15 @@ class ClassedFreeQueue(_FreeQueue):
     methods run on it unchanged. Only the other classes live on the side:
 
     * A side class is a :class:`_Class` around a ``deque`` whose entries may be *stale*: a block
-      taken out of the middle (a prefix hit's ``touch``, a directive's re-class) stays in place,
-      counted in the class's ``stale``, and is skipped when it reaches the head. A block's stale
-      entries always precede its live one (blocks only ever join a class at the tail), so
-      counting is enough. A class is compacted when its stale entries outnumber the live ones.
+      taken out of the middle (a prefix hit's ``touch``, a directive's re-class) stays in place
+      and is skipped when it reaches the head. Blocks join a side class under a *ticket* (one
+      per join, increasing); ``_where[block_id]`` / ``_tickets[block_id]`` are the side class
+      and ticket of a block's live entry, and ``_where`` is cleared when the block leaves it, so
+      an entry is live exactly when both match. Taking a block out is one store, with no
+      per-block count of stale copies. A class is compacted when its stale entries outnumber
+      the live ones.
     * A free block is in the linked list exactly when its ``prev_free_block`` is set (vLLM clears
-      it on every block it unlinks; side blocks never get one); ``_where[block_id]`` is the side
-      class a block last joined (only meaningful while it is free and not in the list).
+      it on every block it unlinks; side blocks never get one).
     * ``_front`` holds the ids of the list's class -1 blocks: the pool's initial free blocks and
       those vLLM frees without a hash (``prepend_n``). Blocks join the list only at its head
       (``prepend_n``) or its tail (``append_n``), so these are always its first ``len(_front)``
@@ -170,6 +173,8 @@ class ClassedFreeQueue(_FreeQueue):
         self._order: list[_Class] = [self._normal]    # evicted-first first
         self._side_live = 0                           # free blocks in side classes
         self._where: list[_Class | None] = [None] * num_blocks
+        self._tickets: list[int] = [0] * num_blocks
+        self._next_ticket = 1
         self._owner: list[_Freed | None] = [None] * num_blocks
         self._logs: dict[str, list[_Freed]] = {}
         self._records = 0              # records in all logs
@@ -242,24 +247,22 @@ class ClassedFreeQueue(_FreeQueue):
             self.num_free_blocks -= k
             n -= k
             popleft = c.q.popleft
-            stale = c.stale
+            popticket = c.t.popleft
+            where = self._where
+            tickets = self._tickets
             while k:
                 block = popleft()
-                if stale and block.block_id in stale:
-                    self._drop_stale(stale, block.block_id)
-                    continue
+                ticket = popticket()
+                block_id = block.block_id
+                if where[block_id] is not c or tickets[block_id] != ticket:
+                    continue        # a stale entry
+                where[block_id] = None
                 taken.append(block)
                 k -= 1
         owner = self._owner
         for block in taken:
             owner[block.block_id] = None
         return taken
-
-    @staticmethod
-    def _drop_stale(stale: dict, block_id: int) -> None:
-        copies = stale.pop(block_id)
-        if copies > 1:
-            stale[block_id] = copies - 1
 
     def remove(self, block: Any) -> None:
         if block.prev_free_block is not None:       # in vLLM's list
@@ -272,9 +275,13 @@ class ClassedFreeQueue(_FreeQueue):
         self._take_out(block.block_id)
 
     def _take_out(self, block_id: int) -> None:
-        self._where[block_id].take_out(block_id)
+        """The block leaves its side class: its entry stays there, stale."""
+        c = self._where[block_id]
+        self._where[block_id] = None
+        c.live -= 1
         self._side_live -= 1
         self.num_free_blocks -= 1
+        c.compact_if_stale(self._where, self._tickets)
 
     def append(self, block: Any) -> None:
         self.append_n([block])
@@ -290,14 +297,10 @@ class ClassedFreeQueue(_FreeQueue):
         if entry is None or entry[0] == NORMAL_CLASS:
             _vllm_append_n(self, blocks)
         else:
-            c = self._class(entry[0])
-            c.q.extend(blocks)
-            c.live += len(blocks)
+            self._class(entry[0]).join(blocks, self._where, self._tickets, self._next_ticket)
+            self._next_ticket += 1
             self._side_live += len(blocks)
             self.num_free_blocks += len(blocks)
-            where = self._where
-            for block in blocks:
-                where[block.block_id] = c
         owner = self._owner
         # logged even if it ends up owning nothing (a sweep drops it): cheaper than checking
         record = _Freed(session, list(blocks))
@@ -327,7 +330,8 @@ class ClassedFreeQueue(_FreeQueue):
         listed = _vllm_all_free(self)
         out = listed[:len(self._front)]
         for c in self._order:
-            out.extend(listed[len(self._front):] if c is self._normal else c.blocks())
+            out.extend(listed[len(self._front):] if c is self._normal
+                       else c.blocks(self._where, self._tickets))
         return out
 
     def iter_blocks_after(self, block: Any | None):
@@ -381,33 +385,47 @@ class ClassedFreeQueue(_FreeQueue):
         return [b for record in kept for b in record.blocks]
 
     def reclass_session(self, session: str, cls: int) -> None:
-        """Move the session's free cached blocks to ``cls``, in the order they became its own."""
+        """Move the session's free cached blocks to ``cls``, in the order they became its own.
+
+        Runs twice per retained request (the retain, then its expiry) over every block the
+        session owns, so the per-block steps of ``_take_out`` / ``_Class.take_out`` are inlined
+        here and the counters and compaction settled once per class at the end."""
         where = self._where
         front = self._front
         target = None if cls == NORMAL_CLASS else self._class(cls)
-        to_list = []            # for NORMAL_CLASS: appended to the list's tail together
+        moved = []              # in ownership order, to the target's tail together
+        left: set = set()       # side classes blocks were taken out of
         for block in self.owned(session):
             if block.ref_cnt != 0 or block._block_hash is None:
                 continue
             block_id = block.block_id
             if block.prev_free_block is not None:     # in the list: unhashed or normal
-                if block_id not in front and target is None:
+                if target is None and block_id not in front:
                     continue
                 front.discard(block_id)
                 _vllm_remove(self, block)
             else:
-                if where[block_id] is target:
+                source = where[block_id]
+                if source is target:
                     continue
-                self._take_out(block_id)
-            if target is None:
-                to_list.append(block)
-            else:
-                where[block_id] = target
-                target.q.append(block)
-                target.live += 1
-                self._side_live += 1
-                self.num_free_blocks += 1
-        _vllm_append_n(self, to_list)
+                # leaves its side class; the entry stays there, stale
+                where[block_id] = None
+                source.live -= 1
+                self._side_live -= 1
+                self.num_free_blocks -= 1
+                left.add(source)
+            moved.append(block)
+        for source in left:
+            source.compact_if_stale(where, self._tickets)
+        if not moved:
+            return
+        if target is None:
+            _vllm_append_n(self, moved)
+            return
+        target.join(moved, where, self._tickets, self._next_ticket)
+        self._next_ticket += 1
+        self._side_live += len(moved)
+        self.num_free_blocks += len(moved)
 
 
 class Retention:
