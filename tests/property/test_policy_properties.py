@@ -1,4 +1,4 @@
-"""Invariants of the policies over random runs (DESIGN.md §2–§4).
+"""Invariants of the policies over random runs (architecture.md §2–§4).
 
 Hypothesis draws a sequence of operations — calls arriving for new and existing sessions
 (some sub-agents, some final), completions with usage, aborts of running and held calls,
