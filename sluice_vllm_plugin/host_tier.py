@@ -47,6 +47,8 @@ from vllm.v1.core.kv_cache_utils import (BlockHash, get_block_hash, get_group_id
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu import manager as _cpu_manager
 
+from .patching import then
+
 logger = logging.getLogger("sluice.vllm_plugin.host_tier")
 
 CPUOffloadingManager = _cpu_manager.CPUOffloadingManager
@@ -210,14 +212,6 @@ def tiers() -> list[HostTier]:
 _originals: dict[tuple[type, str], Any] = {}
 
 
-def _wrap_init(orig):
-    @functools.wraps(orig)
-    def __init__(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        install(self)
-    return __init__
-
-
 def _wrap_prepare_store(orig):
     @functools.wraps(orig)
     def prepare_store(self, keys, req_context):
@@ -239,7 +233,7 @@ def _wrap_prepare_load(orig):
 
 
 _PATCHES = [
-    (CPUOffloadingManager, "__init__", _wrap_init),
+    (CPUOffloadingManager, "__init__", then(install)),
     (CPUOffloadingManager, "prepare_store", _wrap_prepare_store),
     (CPUOffloadingManager, "prepare_load", _wrap_prepare_load),
 ]

@@ -47,6 +47,8 @@ from vllm.v1.core import block_pool as _bp
 from vllm.v1.core import kv_cache_manager as _kcm
 from vllm.v1.core import kv_cache_utils as _kcu
 
+from .patching import then
+
 logger = logging.getLogger("sluice.vllm_plugin.retention")
 
 BlockPool = _bp.BlockPool
@@ -604,14 +606,6 @@ class freeing:
 _originals: dict[tuple[type, str], Any] = {}
 
 
-def _wrap_init(orig):
-    @functools.wraps(orig)
-    def __init__(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        install(self)
-    return __init__
-
-
 def _wrap_manager_free(orig):
     @functools.wraps(orig)
     def free(self, request):
@@ -621,7 +615,7 @@ def _wrap_manager_free(orig):
 
 
 _PATCHES = [
-    (BlockPool, "__init__", _wrap_init),
+    (BlockPool, "__init__", then(install)),
     (_kcm.KVCacheManager, "free", _wrap_manager_free),
 ]
 
