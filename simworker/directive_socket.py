@@ -5,7 +5,8 @@ A ZMQ PULL socket (bound if the endpoint holds ``*`` or ``::`` or is ``ipc://`` 
 ``inproc://``, else connected, like the KV-event sockets) receives KvHint envelopes from the
 gateway's directive sender and applies ``kv.retain`` / ``kv.demote`` / ``kv.release`` to the
 engine's block pool, whose retention classes are the plugin's (the fidelity test keeps them
-equal). Envelopes are decoded by the plugin's own envelope module
+equal), and ``kv.offload`` / ``kv.prefetch`` to the engine's host tier as the plugin does on
+vLLM's offloading manager (:meth:`sim.engine.Engine.offload`, ``prefetch``). Envelopes are decoded by the plugin's own envelope module
 (:mod:`sluice_vllm_plugin.directive_envelope`), so both engines accept and reject exactly the
 same input. Directives run on the event loop between engine
 iterations, as the plugin applies them between scheduler steps; a TTL counts in virtual time
@@ -16,13 +17,21 @@ worker.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import assert_never
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from sim.block_pool import BlockPool
-from sluice_vllm_plugin.directive_envelope import KvDemote, KvRelease, KvRetain, decode
+from sim.engine import Engine
+from sluice_vllm_plugin.directive_envelope import (
+    KvDemote,
+    KvOffload,
+    KvPrefetch,
+    KvRelease,
+    KvRetain,
+    decode,
+)
 
 
 def _should_bind(endpoint: str) -> bool:
@@ -30,10 +39,10 @@ def _should_bind(endpoint: str) -> bool:
 
 
 class DirectiveSocket:
-    def __init__(self, endpoint: str, pool: BlockPool, clock: Callable[[], float]) -> None:
+    def __init__(self, endpoint: str, engine: Engine, clock: Callable[[], float]) -> None:
         self.endpoint = endpoint
         self.bound_endpoint: str | None = None
-        self._pool = pool
+        self._engine = engine
         self._clock = clock
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -76,15 +85,21 @@ class DirectiveSocket:
             self._log.warning("malformed directive envelope dropped", problem=str(err),
                               dropped=self.dropped)
             return
-        pool, now = self._pool, self._clock()
+        engine, now = self._engine, self._clock()
         for action in envelope.actions:
             match action:
                 case KvRetain(payload=payload):
-                    pool.retain(payload.session_id, payload.priority, payload.ttl_s, now)
+                    engine.pool.retain(payload.session_id, payload.priority, payload.ttl_s, now)
                 case KvDemote(payload=payload):
-                    pool.demote(payload.session_id)
+                    engine.pool.demote(payload.session_id)
                 case KvRelease(payload=payload):
-                    pool.release(payload.session_id)
+                    engine.release_session(payload.session_id)
+                case KvOffload(payload=payload):
+                    engine.offload(payload.session_id)
+                case KvPrefetch(payload=payload):
+                    engine.prefetch(payload.session_id, payload.priority, payload.deadline_s, now)
+                case _:
+                    assert_never(action)
             self.applied += 1
 
     async def serve(self) -> None:

@@ -216,7 +216,7 @@ class SimWorker:
             if config.kv_events else None
         )
         self.directives = (
-            DirectiveSocket(config.directives, self.engine.pool, self.vnow) if config.directives else None
+            DirectiveSocket(config.directives, self.engine, self.vnow) if config.directives else None
         )
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))

@@ -322,6 +322,27 @@ def test_retention_directives_reorder_which_cached_blocks_the_engine_evicts_firs
         assert metric(text, "sluice_simworker:directives_dropped_total") == 1
 
 
+def test_offload_and_prefetch_directives_reach_the_engine_not_only_the_counter():
+    """Without a host tier an offload is a demotion and a prefetch undoes it, as the plugin
+    does on vLLM (before, both were counted as applied and ignored)."""
+    with serve(directives="tcp://127.0.0.1:*") as w, zmq.Context() as zctx:
+        directives = w.worker.directives
+        chat(w.url, user("Park me.", "Parked. " + SYSTEM), headers={"X-Session-ID": "parked"}, max_tokens=4)
+        chat(w.url, user("Stay.", "Staying. " + SYSTEM), headers={"X-Session-ID": "other"}, max_tokens=4)
+        pool = w.worker.engine.pool
+        parked = set(pool._session_blocks["parked"])
+        other = set(pool._session_blocks["other"])
+        _push(zctx, directives.bound_endpoint, _envelope("kv.retain", "parked", priority=90, ttl_s=60))
+        wait_for(lambda: directives.applied == 1)
+        _push(zctx, directives.bound_endpoint, _envelope("kv.offload", "parked"))
+        wait_for(lambda: directives.applied == 2)
+        order = pool.free_queue_order()
+        assert max(order.index(b) for b in parked) < min(order.index(b) for b in other)
+        _push(zctx, directives.bound_endpoint, _envelope("kv.prefetch", "parked", priority=70))
+        wait_for(lambda: directives.applied == 3)
+        assert pool._session_class.get("parked") is None  # the demotion is undone
+
+
 def test_an_assistant_reply_sent_back_verbatim_hits_through_the_reply(fast):
     turn1 = user("Find the bug in utils.py (verbatim test).")
     first = chat(fast.url, turn1, max_tokens=70)
