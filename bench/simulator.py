@@ -17,7 +17,7 @@ from sim.runs import replay_programs, run_policies, trace_span_s, workload_feed
 from sim.simulation import OpenLoop
 
 MOONCAKE = (Path(__file__).resolve().parent.parent / "experiments" / "data" / "mooncake"
-            / "conversation_trace.jsonl")
+            / "conversation_trace.jsonl.gz")
 
 
 def run_mooncake(path: Path = MOONCAKE) -> None:
