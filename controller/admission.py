@@ -258,7 +258,7 @@ class Admission:
 
     def _core_failed(self, operation: str, err: BaseException, now: float, **context: Any) -> None:
         """Count and log a policy error, then make the shell and the policy agree again."""
-        self.core_errors[operation] = self.core_errors.get(operation, 0) + 1
+        self._count_core_error(operation)
         self._log.error("policy error", operation=operation, policy=self.policy.name,
                         programs=self.policy.program_count(), held=self.held,
                         exc_info=err, **context)
@@ -283,8 +283,11 @@ class Admission:
             except Exception:
                 # Counted once more and left: reconciling a policy that keeps failing
                 # would loop; the disagreement stays visible in disagreements().
-                self.core_errors["on_abort"] = self.core_errors.get("on_abort", 0) + 1
+                self._count_core_error("on_abort")
                 self._log.exception("policy error while reconciling", request_id=request_id)
+
+    def _count_core_error(self, operation: str) -> None:
+        self.core_errors[operation] = self.core_errors.get(operation, 0) + 1
 
     def disagreements(self) -> list[str]:
         """Where the shell's view of the calls differs from the policy's (empty when they

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -21,6 +21,27 @@ from scheduler.config import POLICY_NAMES, ConfigError
 from sim.report import format_table, with_ceiling_ratio, write_json
 from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, trace_span_s, workload_feed
 from sim.step_time import DEFAULT_PRESET, presets
+
+
+# Options that sim and replay share, declared once (typer reads them from the annotations).
+JsonOption = Annotated[Optional[Path], typer.Option(
+    "--json", help="Write the results as JSON here.", dir_okay=False, metavar="PATH")]
+CeilingOption = Annotated[bool, typer.Option(
+    "--ceiling/--no-ceiling",
+    help="Add a `ceiling` row (the same programs with unlimited KV) and each policy's share "
+         "of it (`of ceiling`).")]
+PolicyConfigOption = Annotated[Optional[Path], typer.Option(
+    "--config", dir_okay=False, metavar="PATH",
+    help="A Sluice YAML file whose `policy:` section sets the thresholds (as `sluice serve` "
+         "reads it); other sections are ignored.")]
+KvOffloadOption = Annotated[float, typer.Option(
+    "--kv-offload-gb", min=0.0, metavar="GIB",
+    help="Give every worker, under every policy, a host KV tier of this many GiB: vLLM's "
+         "native CPU offloading (--kv-offloading-size). 0 (default): none.")]
+HostTierOption = Annotated[bool, typer.Option(
+    "--host-tier",
+    help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
+         "--kv-offload-gb overrides the size.")]
 
 
 def _policies(spec: str) -> list[str]:
@@ -80,23 +101,11 @@ def sim(
     seed: int = typer.Option(7, "--seed", help="Workload seed."),
     block_size: int = typer.Option(DEFAULT_BLOCK_SIZE, "--block-size", min=1,
                                    help="KV block size in tokens."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
-                                             dir_okay=False, metavar="PATH"),
-    ceiling: bool = typer.Option(True, "--ceiling/--no-ceiling",
-                                 help="Add a `ceiling` row (the same programs with unlimited KV) "
-                                      "and each policy's share of it (`of ceiling`)."),
-    config_path: Optional[Path] = typer.Option(
-        None, "--config", dir_okay=False, metavar="PATH",
-        help="A Sluice YAML file whose `policy:` section sets the thresholds (as `sluice serve` "
-             "reads it); other sections are ignored."),
-    kv_offload_gib: float = typer.Option(
-        0.0, "--kv-offload-gb", min=0.0, metavar="GIB",
-        help="Give every worker, under every policy, a host KV tier of this many GiB: vLLM's "
-             "native CPU offloading (--kv-offloading-size). 0 (default): none."),
-    host_tier: bool = typer.Option(
-        False, "--host-tier",
-        help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
-             "--kv-offload-gb overrides the size."),
+    json_path: JsonOption = None,
+    ceiling: CeilingOption = True,
+    config_path: PolicyConfigOption = None,
+    kv_offload_gib: KvOffloadOption = 0.0,
+    host_tier: HostTierOption = False,
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
@@ -150,22 +159,11 @@ def replay(
         None, "--warm-prefix", min=0.0, max=1.0,
         help="kvtester only: the fraction (default 0.5, 0: off) of the largest tool_tokens + "
              "system_tokens that every session shares as a warm prefix."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here.",
-                                             dir_okay=False, metavar="PATH"),
-    ceiling: bool = typer.Option(True, "--ceiling/--no-ceiling",
-                                 help="Add a `ceiling` row (the same programs with unlimited KV) "
-                                      "and each policy's share of it (`of ceiling`)."),
-    config_path: Optional[Path] = typer.Option(
-        None, "--config", dir_okay=False, metavar="PATH",
-        help="A Sluice YAML file whose `policy:` section sets the thresholds."),
-    kv_offload_gib: float = typer.Option(
-        0.0, "--kv-offload-gb", min=0.0, metavar="GIB",
-        help="Give every worker, under every policy, a host KV tier of this many GiB: vLLM's "
-             "native CPU offloading (--kv-offloading-size). 0 (default): none."),
-    host_tier: bool = typer.Option(
-        False, "--host-tier",
-        help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
-             "--kv-offload-gb overrides the size."),
+    json_path: JsonOption = None,
+    ceiling: CeilingOption = True,
+    config_path: PolicyConfigOption = None,
+    kv_offload_gib: KvOffloadOption = 0.0,
+    host_tier: HostTierOption = False,
 ) -> None:
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math

@@ -47,7 +47,7 @@ from vllm.v1.core.kv_cache_utils import (BlockHash, get_block_hash, get_group_id
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu import manager as _cpu_manager
 
-from .patching import then
+from .patching import MethodPatches, then
 
 logger = logging.getLogger("sluice.vllm_plugin.host_tier")
 
@@ -209,9 +209,6 @@ def tiers() -> list[HostTier]:
 
 # -- patches -------------------------------------------------------------------------------------
 
-_originals: dict[tuple[type, str], Any] = {}
-
-
 def _wrap_prepare_store(orig):
     @functools.wraps(orig)
     def prepare_store(self, keys, req_context):
@@ -232,23 +229,11 @@ def _wrap_prepare_load(orig):
     return prepare_load
 
 
-_PATCHES = [
+_PATCHES = MethodPatches([
     (CPUOffloadingManager, "__init__", then(install)),
     (CPUOffloadingManager, "prepare_store", _wrap_prepare_store),
     (CPUOffloadingManager, "prepare_load", _wrap_prepare_load),
-]
+])
 
-
-def apply() -> None:
-    if _originals:
-        return
-    for cls, name, wrap in _PATCHES:
-        orig = cls.__dict__[name]
-        _originals[(cls, name)] = orig
-        setattr(cls, name, wrap(orig))
-
-
-def remove() -> None:
-    for (cls, name), orig in _originals.items():
-        setattr(cls, name, orig)
-    _originals.clear()
+apply = _PATCHES.apply
+remove = _PATCHES.remove

@@ -17,3 +17,27 @@ def then(hook: Callable[[Any], None]) -> Callable[[Callable[..., None]], Callabl
             hook(self)
         return __init__
     return wrap
+
+
+class MethodPatches:
+    """Wrappers put on methods of vLLM classes, and taken off again (tests, a second load).
+
+    Invariant: while applied, ``_originals`` holds each patched method as vLLM defined it;
+    applying twice is a no-op, so the original is never a wrapper."""
+
+    def __init__(self, wrappers: list[tuple[type, str, Callable[[Any], Any]]]) -> None:
+        self._wrappers = wrappers
+        self._originals: dict[tuple[type, str], Any] = {}
+
+    def apply(self) -> None:
+        if self._originals:
+            return
+        for cls, name, wrap in self._wrappers:
+            orig = cls.__dict__[name]
+            self._originals[(cls, name)] = orig
+            setattr(cls, name, wrap(orig))
+
+    def remove(self) -> None:
+        for (cls, name), orig in self._originals.items():
+            setattr(cls, name, orig)
+        self._originals.clear()

@@ -47,7 +47,7 @@ from vllm.v1.core import block_pool as _bp
 from vllm.v1.core import kv_cache_manager as _kcm
 from vllm.v1.core import kv_cache_utils as _kcu
 
-from .patching import then
+from .patching import MethodPatches, then
 
 logger = logging.getLogger("sluice.vllm_plugin.retention")
 
@@ -603,9 +603,6 @@ class freeing:
 
 # -- patches -------------------------------------------------------------------------------------
 
-_originals: dict[tuple[type, str], Any] = {}
-
-
 def _wrap_manager_free(orig):
     @functools.wraps(orig)
     def free(self, request):
@@ -614,22 +611,10 @@ def _wrap_manager_free(orig):
     return free
 
 
-_PATCHES = [
+_PATCHES = MethodPatches([
     (BlockPool, "__init__", then(install)),
     (_kcm.KVCacheManager, "free", _wrap_manager_free),
-]
+])
 
-
-def apply() -> None:
-    if _originals:
-        return
-    for cls, name, wrap in _PATCHES:
-        orig = cls.__dict__[name]
-        _originals[(cls, name)] = orig
-        setattr(cls, name, wrap(orig))
-
-
-def remove() -> None:
-    for (cls, name), orig in _originals.items():
-        setattr(cls, name, orig)
-    _originals.clear()
+apply = _PATCHES.apply
+remove = _PATCHES.remove

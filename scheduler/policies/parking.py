@@ -227,6 +227,12 @@ class Parking:
         """``program`` has nothing to run from ``now`` on: release it after idle_release_s."""
         self._idle.push((now + self.idle_release_s, program.session_id))
 
+    def held_call_gone(self, program: Program) -> None:
+        """A held call of ``program`` went away: if that left it nothing to run, it is idle
+        from its last activity on (without a deadline it would never be released)."""
+        if not program.in_flight and not program.waiting:
+            self.note_idle(program, program.last_activity)
+
     def idle_sessions(self, now: float) -> Iterator[str]:
         """Programs whose idle deadline passed and that stayed idle, deadline order."""
         for _, session in self._idle.pop_due(now):

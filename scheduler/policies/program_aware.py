@@ -177,13 +177,10 @@ class ProgramAwarePolicy(Policy):
         call = self.calls.get(request_id)
         actions = super().on_abort(request_id, now)
         if call is not None and call.worker is None:
-            # A held call went away. If that left its program with nothing to run, it is
-            # idle from its last activity on; without a deadline it would never be released.
             program = self.programs.get(call.session_id)
             if program is not None:
-                self._requeue(program)
-            if program is not None and not program.in_flight and not program.waiting:
-                self._parking.note_idle(program, program.last_activity)
+                self._requeue(program)  # its waiting demand changed
+                self._parking.held_call_gone(program)
         return actions
 
     def release(self, session_id, now, reason):  # type: ignore[override]

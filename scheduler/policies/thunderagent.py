@@ -100,11 +100,9 @@ class ThunderAgentPolicy(Policy):
         call = self.calls.get(request_id)
         actions = super().on_abort(request_id, now)
         if call is not None and call.worker is None:
-            # A held call went away; if that left its program with nothing to run, it is
-            # idle from its last activity on (else it would never be released).
             program = self.programs.get(call.session_id)
-            if program is not None and not program.in_flight and not program.waiting:
-                self._parking.note_idle(program, program.last_activity)
+            if program is not None:
+                self._parking.held_call_gone(program)
         return actions
 
     def release(self, session_id, now, reason):  # type: ignore[override]
