@@ -315,30 +315,13 @@ class _Gateway:
         # than the rest of the id's uses together).
         self._id_prefix = f"sluice-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count(1)
-        self._request_counters: dict[tuple[str, int], Any] = {}
-        self._upstream_histograms: dict[tuple[str, bool], tuple[Any, Any]] = {}
 
     def count_request(self, route: str, status: int) -> None:
-        """``sluice_requests{route, status}`` + 1 (the labelled child looked up once)."""
-        key = (route, status)
-        counter = self._request_counters.get(key)
-        if counter is None:
-            counter = self._request_counters[key] = self.parts.metrics.requests.labels(route, str(status))
-        counter.inc()
+        self.parts.metrics.count_request(route, status)
 
     def observe_upstream(self, worker: str, stream: bool, total_s: float,
                          first_byte_s: float | None) -> None:
-        """The upstream latency histograms (their labelled children looked up once)."""
-        key = (worker, stream)
-        children = self._upstream_histograms.get(key)
-        if children is None:
-            metrics = self.parts.metrics
-            children = self._upstream_histograms[key] = (
-                metrics.upstream_seconds.labels(worker, "true" if stream else "false"),
-                metrics.ttft_seconds.labels(worker))
-        children[0].observe(total_s)
-        if first_byte_s is not None:
-            children[1].observe(first_byte_s)
+        self.parts.metrics.observe_upstream(worker, stream, total_s, first_byte_s)
 
     # -- the proxied routes -----------------------------------------------------------
 

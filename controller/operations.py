@@ -252,12 +252,44 @@ class Metrics:
         )
         self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=self.registry)
         self.up.set(1)
+        self._request_counters: dict[tuple[str, int], Any] = {}
+        self._upstream_histograms: dict[tuple[str, bool], tuple[Any, Any]] = {}
+        self._usage_counters: dict[str, tuple[Any, Any, Any]] = {}
+
+    # Per call, on the relay's hot path: each labelled child is looked up once and kept
+    # (prometheus_client's labels() costs a lock and a hash of the label values every time).
+
+    def count_request(self, route: str, status: int) -> None:
+        """``sluice_requests{route, status}`` + 1."""
+        key = (route, status)
+        counter = self._request_counters.get(key)
+        if counter is None:
+            counter = self._request_counters[key] = self.requests.labels(route, str(status))
+        counter.inc()
+
+    def observe_upstream(self, worker: str, stream: bool, total_s: float,
+                         first_byte_s: float | None) -> None:
+        """The upstream latency histograms: to the last byte, and to the first."""
+        key = (worker, stream)
+        children = self._upstream_histograms.get(key)
+        if children is None:
+            children = self._upstream_histograms[key] = (
+                self.upstream_seconds.labels(worker, "true" if stream else "false"),
+                self.ttft_seconds.labels(worker))
+        children[0].observe(total_s)
+        if first_byte_s is not None:
+            children[1].observe(first_byte_s)
 
     def count_usage(self, worker: str, prompt_tokens: int, cached_tokens: int,
                     completion_tokens: int) -> None:
-        self.prompt_tokens.labels(worker).inc(prompt_tokens)
-        self.cached_tokens.labels(worker).inc(cached_tokens)
-        self.completion_tokens.labels(worker).inc(completion_tokens)
+        children = self._usage_counters.get(worker)
+        if children is None:
+            children = self._usage_counters[worker] = (
+                self.prompt_tokens.labels(worker), self.cached_tokens.labels(worker),
+                self.completion_tokens.labels(worker))
+        children[0].inc(prompt_tokens)
+        children[1].inc(cached_tokens)
+        children[2].inc(completion_tokens)
 
     def watch_kv_events(self, subscriber: KvEventSubscriber) -> None:
         """Export the KV-event subscriber's counters (controller/subscriber.py)."""
