@@ -100,6 +100,23 @@ class BaselineConfig(_Strict):
     autellix_prefill_token_s: Positive = 3.6e-5
 
 
+# With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
+# in host memory instead of being lost, so the policy may count less of what waits: programs
+# turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
+# offloaded then, and a worker pauses at 1.1 of its GPU pool. These are the defaults of the
+# keys a file leaves out when it turns the tier on (docs/architecture.md §3; measured in
+# experiments/results/host_tier/README.md).
+HOST_TIER_DEFAULTS: dict[str, Any] = {"pause_threshold": 1.1, "dormant_quantile": 0.25,
+                                      "dormant_min_s": 30.0}
+HOST_TIER_RETENTION_DEFAULTS: dict[str, Any] = {"offload_dormant": True}
+
+
+def _host_tier_in(retention: Any) -> bool:
+    if isinstance(retention, RetentionConfig):
+        return retention.host_tier
+    return isinstance(retention, dict) and retention.get("host_tier") is True
+
+
 class PolicyConfig(_Strict):
     """The ``policy:`` section: one section per policy, chosen by ``name``.
 
@@ -147,6 +164,11 @@ class PolicyConfig(_Strict):
                     raise ValueError(f"{key}: a key of {_section_names(owners)}; {name} does not "
                                      "take it")
         return data
+
+    def for_host_tier(self) -> PolicyConfig:
+        """This section for workers that have a host KV tier (a policy that knows the tier
+        overrides it; the others run as they are, with vLLM's native offloading)."""
+        return self
 
     def for_policy(self, name: str) -> PolicyConfig:
         """This section as the section of policy ``name``: the keys both take, carried over
@@ -222,12 +244,33 @@ class ProgramAwareConfig(PolicyConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _pause_target_follows_the_threshold(cls, data: Any) -> Any:
+    def _derived_defaults(cls, data: Any) -> Any:
+        """The defaults that depend on other keys: with ``retention.host_tier`` the keys of
+        :data:`HOST_TIER_DEFAULTS` the file leaves out take those values; then a left-out
+        ``pause_target`` follows ``pause_threshold``."""
+        if isinstance(data, dict) and _host_tier_in(data.get("retention")):
+            data = {**HOST_TIER_DEFAULTS, **data}
+            retention = data["retention"]
+            if isinstance(retention, dict):
+                data["retention"] = {**HOST_TIER_RETENTION_DEFAULTS, **retention}
+            elif isinstance(retention, RetentionConfig):
+                unset = {key: value for key, value in HOST_TIER_RETENTION_DEFAULTS.items()
+                         if key not in retention.model_fields_set}
+                data["retention"] = RetentionConfig(**retention.model_dump(exclude_unset=True), **unset)
         if isinstance(data, dict) and "pause_target" not in data and "pause_threshold" in data:
             threshold = data["pause_threshold"]
             if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
                 data = {**data, "pause_target": max(0.0, round(threshold - PAUSE_TARGET_GAP, 6))}
         return data
+
+    def for_host_tier(self) -> ProgramAwareConfig:
+        """This section for workers that have a host KV tier: ``retention.host_tier`` on
+        (with the tier defaults of the keys left unset), unless the section set it itself."""
+        if "host_tier" in self.retention.model_fields_set:
+            return self
+        keys = self.model_dump(exclude_unset=True)
+        keys["retention"] = {**keys.get("retention", {}), "host_tier": True}
+        return type(self).model_validate(keys)
 
     @model_validator(mode="after")
     def _thresholds_are_ordered(self) -> ProgramAwareConfig:

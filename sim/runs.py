@@ -105,7 +105,8 @@ def run_policies(
     """One result per policy, in order; with ``ceiling``, a last result named
     :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`).
     ``kv_offload_gib`` > 0 gives every worker, under every policy, a host KV tier of that size
-    (vLLM's native CPU offloading, ``--kv-offloading-size``)."""
+    (vLLM's native CPU offloading, ``--kv-offloading-size``), and tells the policies that know
+    the tier (program_aware's ``retention.host_tier``, unless the config set it)."""
     model = load_preset(preset).with_host_tier(kv_offload_gib)
     runs: list[tuple[str, str, int | None]] = [(name, name, None) for name in policies]
     if ceiling:
@@ -113,7 +114,10 @@ def run_policies(
         runs.append((CEILING, CEILING_POLICY, model.kv_capacity_tokens // size * CEILING_KV_FACTOR))
     results = []
     for shown, name, num_blocks in runs:
-        policy = make_policy(policy_config, name=name)
+        policy_for_run = (policy_config or PolicyConfig()).for_policy(name)
+        if model.kv_offload_gib > 0:
+            policy_for_run = policy_for_run.for_host_tier()  # the policy knows its fleet's tier
+        policy = make_policy(policy_for_run)
         progress = Progress(f"{label}{shown}", duration_s) if show_progress else None
         simulation = Simulation(policy, feed_for(), workers=workers, model=model,
                                 duration_s=duration_s, block_size=block_size,

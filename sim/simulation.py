@@ -241,6 +241,10 @@ class SimResult:
     utilization: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     # RL rollouts: each finished batch's makespan (empty for other feeds)
     batch_makespans_s: list[float] = field(default_factory=list)
+    # host KV tier (None: the workers have none): prompt tokens loaded back from it, and
+    # blocks it evicted to make room
+    host_loaded_tokens: int | None = None
+    host_evicted_blocks: int | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -272,6 +276,9 @@ class SimResult:
             row["batches"] = len(self.batch_makespans_s)
             row["p50_makespan_s"] = round(self.makespan_quantile(0.5), 2)
             row["p99_makespan_s"] = round(self.makespan_quantile(0.99), 2)
+        if self.host_loaded_tokens is not None:
+            row["host_loaded_tokens"] = self.host_loaded_tokens
+            row["host_evicted_blocks"] = self.host_evicted_blocks
         return row
 
     def _summary(self) -> dict[str, float | int | str]:
@@ -587,6 +594,7 @@ class Simulation:
     def _result(self) -> SimResult:
         stats = [engine.stats for engine in self.engines]
         policy_stats = self.policy.stats
+        tiered = any(engine.host_tier is not None for engine in self.engines)
         elapsed = min(self.duration_s, self._now) if self._stop_when_done else self.duration_s
         return SimResult(
             policy=self.policy.name,
@@ -606,4 +614,6 @@ class Simulation:
             forced_resumes=policy_stats.forced_resumes,
             utilization=self._utilization,
             batch_makespans_s=self.feed.batch_makespans_s(),
+            host_loaded_tokens=sum(s.host_loaded_tokens for s in stats) if tiered else None,
+            host_evicted_blocks=sum(s.host_evicted_blocks for s in stats) if tiered else None,
         )

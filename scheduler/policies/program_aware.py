@@ -363,6 +363,9 @@ class ProgramAwarePolicy(Policy):
         return actions
 
     def _resume_target(self, program: Program, weighted: float, limit: float) -> str | None:
+        if self._anchored_home(program):
+            home = program.home_worker
+            return home if self._open_to(home, program) and self._fits(home, weighted, limit) else None
         preferred = [program.home_worker]
         if program.parent_session_id is not None:
             parent = self.programs.get(program.parent_session_id)
@@ -379,6 +382,19 @@ class ProgramAwarePolicy(Policy):
             if u <= limit and u > best_u:
                 best, best_u = load.name, u
         return best
+
+    def _anchored_home(self, program: Program) -> bool:
+        """With a host tier, a program whose home still holds its KV (on the GPU or in the
+        tier) waits for room there: resuming it elsewhere would recompute what the home can
+        load back (measured: most of program_aware's re-prefill with the tier came from such
+        moves). ``max_wait_s`` still bounds the wait (a forced resume goes home)."""
+        home = program.home_worker
+        if home is None or not self.config.retention.host_tier:
+            return False
+        if not self.ledger.worker(home).accepts_programs:
+            return False
+        index = self.index
+        return index.host_tokens(home, program.session_id) > 0 or index.session_tokens(home, program.session_id) > 0
 
     def _force_resume(self, program: Program, now: float,
                       room: dict[str, float] | None = None) -> list[Action]:

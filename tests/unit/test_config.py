@@ -316,3 +316,30 @@ def test_fractions_are_bounded_at_twice_the_pool():
                                      ThunderAgentConfig, RouterConfig])
 def test_every_model_is_strict(section):
     assert section.model_config["extra"] == "forbid" and section.model_config["strict"] is True
+
+
+def test_turning_the_host_tier_on_gives_the_tier_defaults_to_the_keys_left_out():
+    tiered = parse_policy_yaml("policy:\n  retention:\n    host_tier: true\n")
+    assert (tiered.pause_threshold, tiered.pause_target) == (1.1, 1.08)
+    assert (tiered.dormant_quantile, tiered.dormant_min_s) == (0.25, 30.0)
+    assert tiered.retention.offload_dormant is True
+    assert ProgramAwareConfig(retention=RetentionConfig(host_tier=True)) == tiered
+
+
+def test_keys_a_file_sets_win_over_the_host_tier_defaults():
+    tiered = parse_policy_yaml("policy:\n  pause_threshold: 1.0\n  dormant_quantile: 0.5\n"
+                               "  retention:\n    host_tier: true\n    offload_dormant: false\n")
+    assert (tiered.pause_threshold, tiered.pause_target) == (1.0, 0.98)
+    assert (tiered.dormant_quantile, tiered.dormant_min_s) == (0.5, 30.0)
+    assert tiered.retention.offload_dormant is False
+
+
+def test_a_fleet_with_a_host_tier_turns_it_on_unless_the_file_said_otherwise():
+    assert ProgramAwareConfig().for_host_tier() == parse_policy_yaml(
+        "policy:\n  retention:\n    host_tier: true\n")
+    kept = parse_policy_yaml("policy:\n  pause_threshold: 0.9\n").for_host_tier()
+    assert kept.retention.host_tier and (kept.pause_threshold, kept.dormant_min_s) == (0.9, 30.0)
+    refused = parse_policy_yaml("policy:\n  retention:\n    host_tier: false\n")
+    assert refused.for_host_tier() is refused
+    router = PolicyConfig(name="least_loaded")
+    assert router.for_host_tier() is router

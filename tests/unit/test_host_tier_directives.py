@@ -75,10 +75,44 @@ def test_offload_dormant_offloads_a_program_turning_dormant_and_retains_it_at_it
 
 
 def test_dormancy_alone_does_not_offload() -> None:
-    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0, **_tier()))
+    d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0, **_tier(offload_dormant=False)))
     now = _learn_tool_times(d, 2.0)
     d.acting("a", 600, now)
     assert of(d.p.tick(now + 2.0), Offload) == []
+
+
+def _paused_a_with_room_elsewhere(d: Driver) -> None:
+    """``a`` paused on w0 with a call waiting that w0 has no room for (its context grew to
+    300), and a second worker, empty, added."""
+    _paused_pair(d)
+    d.p.add_worker("w1", 1000)
+    assert not isinstance(d.arrive("a", 300, 2.0), Admit)
+
+
+def test_with_the_tier_a_paused_program_whose_home_holds_its_kv_waits_for_room_there() -> None:
+    d = Driver(make(**_tier()))
+    _host_holds(d, "a")
+    _paused_a_with_room_elsewhere(d)
+    assert "a" not in sessions(d.p.tick(3.0), Resume)  # w1 has room, but w0's tier holds a's KV
+    d.finish(d.arrive("d", 10, 4.0).request_id, 10, 4.0)  # d shrinks: w0 has room again
+    actions = d.p.tick(5.0)
+    assert "a" in sessions(actions, Resume)
+    assert [admit.worker for admit in of(actions, Admit) if admit.session_id == "a"] == ["w0"]
+
+
+def test_with_the_tier_a_paused_program_its_home_holds_nothing_of_resumes_where_there_is_room() -> None:
+    d = Driver(make(**_tier()))
+    _paused_a_with_room_elsewhere(d)
+    actions = d.p.tick(3.0)
+    assert [admit.worker for admit in of(actions, Admit) if admit.session_id == "a"] == ["w1"]
+
+
+def test_without_the_tier_a_paused_program_resumes_where_there_is_room() -> None:
+    d = Driver(make())
+    _host_holds(d, "a")
+    _paused_a_with_room_elsewhere(d)
+    actions = d.p.tick(3.0)
+    assert [admit.worker for admit in of(actions, Admit) if admit.session_id == "a"] == ["w1"]
 
 
 def test_offload_and_prefetch_map_to_the_envelopes_actions() -> None:
@@ -186,3 +220,36 @@ def test_engine_offload_parks_and_demotes_and_prefetch_undoes_the_demotion(deadl
     assert engine.pool._class_of("s") == LOW_CLASS
     engine.prefetch("s", 60, deadline, now)
     assert engine.pool._class_of("s") == NORMAL_CLASS
+
+
+def test_a_simulated_fleet_with_a_tier_tells_program_aware_and_reports_the_tier(monkeypatch) -> None:
+    from sim import runs
+    from sim.workloads import SwebenchWorkload
+    from sim.simulation import ClosedLoop
+
+    built = []
+    real_make_policy = runs.make_policy
+
+    def recording_make_policy(config=None, name=None):
+        policy = real_make_policy(config, name=name)
+        built.append(policy)
+        return policy
+
+    monkeypatch.setattr(runs, "make_policy", recording_make_policy)
+    results = runs.run_policies(
+        ["program_aware", "least_loaded"],
+        lambda: ClosedLoop(SwebenchWorkload(seed=3).make_program, concurrency=4, ramp_s=2.0),
+        workers=2, preset="llama3.1-8b-h100", duration_s=30.0, show_progress=False,
+        kv_offload_gib=1.0)
+    program_aware, least_loaded = built
+    assert program_aware.config.retention.host_tier and program_aware.config.pause_threshold == 1.1
+    assert least_loaded.name == "least_loaded"
+    for result in results:
+        row = result.summary()
+        assert row["host_loaded_tokens"] >= 0 and row["host_evicted_blocks"] >= 0
+    untiered = runs.run_policies(
+        ["program_aware"],
+        lambda: ClosedLoop(SwebenchWorkload(seed=3).make_program, concurrency=4, ramp_s=2.0),
+        workers=2, preset="llama3.1-8b-h100", duration_s=30.0, show_progress=False)
+    assert not built[-1].config.retention.host_tier
+    assert "host_loaded_tokens" not in untiered[0].summary()
