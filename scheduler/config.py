@@ -66,6 +66,10 @@ class RetentionConfig(_Strict):
     # Offload a program when it turns dormant too (its KV then goes first on the GPU and its
     # Retain is not refreshed until its next call), not only when it is paused.
     offload_dormant: bool = False
+    # Prefetch an offloaded dormant program when its tool call is predicted to end (the
+    # median of the recent tool calls that lasted longer than it has so far), so that the tier
+    # keeps its KV for the call that is coming rather than for programs still in theirs.
+    prefetch_predicted: bool = True
 
 
 class BaselineConfig(_Strict):

@@ -11,7 +11,7 @@ Invariant: ``_sorted`` holds exactly the values of ``_recent``, in ascending ord
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
 
@@ -44,3 +44,15 @@ class ToolTimes:
         if n < self._min_samples:
             return None
         return self._sorted[min(n - 1, int(q * n))]
+
+    def median_beyond(self, elapsed: float) -> float | None:
+        """The median of the window's tool calls that lasted longer than ``elapsed``: when a
+        call already ``elapsed`` long is predicted to end. None until ``min_samples`` are in,
+        or when none lasted that long."""
+        n = len(self._sorted)
+        if n < self._min_samples:
+            return None
+        first = bisect_right(self._sorted, elapsed)
+        if first == n:
+            return None
+        return self._sorted[(first + n - 1) // 2]

@@ -1,8 +1,8 @@
 """Sluice's program-aware policy: architecture.md §3 (v1) with the v2 rules of
 docs/design-notes.md "Policy v2".
 
-A tick runs, in order: release idle programs → dormancy → overdue calls → resume → pause →
-soft band → retention.
+A tick runs, in order: release idle programs → dormancy → predicted prefetches → overdue
+calls → resume → pause → soft band → retention.
 
 - **Dormancy (v2)**: an ACTING program still in its tool call after the
   ``dormant_quantile`` of recent tool-call durations (at least ``dormant_min_s``) is likely
@@ -41,7 +41,10 @@ soft band → retention.
   ``Demote`` (its KV waits in host memory, most recent, rather than being lost), a resumed one
   whose KV the tier holds gets ``Prefetch`` (kept there until its call loads it back), and with
   ``offload_dormant`` a program turning dormant is offloaded too (no Retain refresh until its
-  next call).
+  next call) and, with ``prefetch_predicted``, prefetched when its tool call is predicted to
+  end (the median of recent tool calls longer than it has lasted so far). A paused program
+  whose home still holds its KV (GPU or tier) resumes only there: elsewhere it would recompute
+  what the home loads back; ``max_wait_s`` still bounds its wait.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ class ProgramAwarePolicy(Policy):
             self._wait_deadline_wanted, lambda: len(self.calls))
         # (due, session, acting_since): when an ACTING program would count as dormant
         self._dormancy_checks: DeadlineHeap[tuple[float, str, float]] = DeadlineHeap(
+            self._dormancy_check_wanted, lambda: len(self.programs))
+        # (due, session, acting_since): when an offloaded dormant program's tool call is
+        # predicted to end (its Prefetch is due then)
+        self._predicted_ends: DeadlineHeap[tuple[float, str, float]] = DeadlineHeap(
             self._dormancy_check_wanted, lambda: len(self.programs))
         self._tool_times = ToolTimes(config.tool_time_window)
         # worker -> the session it drains for: a program too large for any worker's resume
@@ -189,7 +196,8 @@ class ProgramAwarePolicy(Policy):
         self._queue.discard(session_id)
         self._retained_until.pop(session_id, None)
         self._retention_due.pop(session_id, None)
-        for heap in (self._retain_refresh, self._wait_deadlines, self._dormancy_checks):
+        for heap in (self._retain_refresh, self._wait_deadlines, self._dormancy_checks,
+                     self._predicted_ends):
             heap.trim()
         return actions
 
@@ -209,6 +217,7 @@ class ProgramAwarePolicy(Policy):
         actions: list[Action] = []
         actions += self._release_idle(now)
         actions += self._mark_dormant(now)
+        actions += self._prefetch_predicted(now)
         actions += self._overdue(now)
         actions += self._resume(now)
         actions += self._pause(now)
@@ -234,6 +243,24 @@ class ProgramAwarePolicy(Policy):
             if offload and program.home_worker is not None:
                 self._retained_until.pop(session, None)  # no refresh: its next call retains it
                 actions.append(Offload(program.session_id, program.home_worker, self._head(program)))
+                if retention.prefetch_predicted:
+                    predicted = self._tool_times.median_beyond(now - since)
+                    if predicted is not None:
+                        self._predicted_ends.push((since + predicted, session, since))
+        return actions
+
+    def _prefetch_predicted(self, now: float) -> list[Action]:
+        """Prefetch the offloaded dormant programs whose tool call is predicted to have
+        ended by now (still in the same tool call, still at home)."""
+        retention = self.config.retention
+        actions: list[Action] = []
+        for _, session, since in self._predicted_ends.pop_due(now):
+            program = self.programs.get(session)
+            if (program is None or not program.active or program.phase is not Phase.ACTING
+                    or program.acting_since != since or program.home_worker is None):
+                continue  # its call came, or it was paused or released, meanwhile
+            actions.append(Prefetch(session, program.home_worker, retention.prefetch_priority,
+                                    self._head(program), retention.prefetch_deadline_s))
         return actions
 
     @staticmethod

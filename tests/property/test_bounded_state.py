@@ -74,6 +74,7 @@ BOUNDS: dict[str, str] = {
     "_retained_until": LIVE,
     "_wait_deadlines._heap": LIVE,
     "_dormancy_checks._heap": LIVE,
+    "_predicted_ends._heap": LIVE,
     "_retain_refresh._heap": LIVE,
     # the parts both pausing policies are built from (scheduler/policies/parking.py)
     "_parking.lot._since": LIVE,
@@ -156,9 +157,11 @@ class Life:
     largest: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        config = make_policy_config({"name": self.name, "idle_release_s": 120.0}
+        policy, _, variant = self.name.partition("+")
+        config = make_policy_config({"name": policy, "idle_release_s": 120.0}
                                     | ({"force_resume_after_s": 60.0}
-                                       if self.name in ("program_aware", "thunderagent") else {}))
+                                       if policy in ("program_aware", "thunderagent") else {})
+                                    | (TIERED if variant == "host_tier" else {}))
         self.policy = make_policy(config)
         for worker in WORKERS:
             self.policy.add_worker(worker, CAPACITY)
@@ -239,6 +242,12 @@ class Life:
                 f"t={self.now:.1f})")
 
 
+# program_aware with a host tier and quick dormancy: offloads, predicted prefetches and
+# home-anchored resumes run too
+TIERED = {"retention": {"host_tier": True}, "dormant_min_s": 0.0}
+LIVES = [*sorted(POLICIES), "program_aware+host_tier"]
+
+
 def live_a_life(name: str, seed: int, steps: int) -> Life:
     life = Life(name, random.Random(seed))
     for _ in range(steps):
@@ -246,14 +255,14 @@ def live_a_life(name: str, seed: int, steps: int) -> Life:
     return life
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", LIVES)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(200, 1_500))
 def test_every_collection_stays_bounded_by_what_is_alive(name, seed, steps) -> None:
     live_a_life(name, seed, steps)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", LIVES)
 def test_a_long_life_keeps_state_bounded(name) -> None:
     """Thousands of ticks, the scale the unbounded heap was found at."""
     life = live_a_life(name, 12, 6_000)

@@ -253,3 +253,33 @@ def test_a_simulated_fleet_with_a_tier_tells_program_aware_and_reports_the_tier(
         workers=2, preset="llama3.1-8b-h100", duration_s=30.0, show_progress=False)
     assert not built[-1].config.retention.host_tier
     assert "host_loaded_tokens" not in untiered[0].summary()
+
+
+def _learn_short_and_long_tool_calls(d: Driver) -> float:
+    """Ten 2 s tool calls and ten 20 s ones: a call past 2 s is predicted to end at 20 s."""
+    now = _learn_tool_times(d, 2.0, count=10, worker_sid="short")
+    return now + _learn_tool_times(d, 20.0, count=10, worker_sid="long")
+
+
+def test_an_offloaded_dormant_program_is_prefetched_when_its_tool_call_is_predicted_to_end() -> None:
+    d = Driver(make(dormant_quantile=0.25, dormant_min_s=0.0, **_tier()))
+    start = _learn_short_and_long_tool_calls(d)
+    d.acting("a", 600, start)
+    assert of(d.p.tick(start + 3.0), Offload) == [Offload("a", "w0")]  # dormant past 2 s
+    assert of(d.p.tick(start + 10.0), Prefetch) == []
+    assert of(d.p.tick(start + 20.0), Prefetch) == [Prefetch("a", "w0", 50, None, None)]
+    assert of(d.p.tick(start + 30.0), Prefetch) == []  # once
+
+
+def test_no_predicted_prefetch_once_the_call_came_or_without_the_key() -> None:
+    d = Driver(make(dormant_quantile=0.25, dormant_min_s=0.0, **_tier()))
+    start = _learn_short_and_long_tool_calls(d)
+    d.acting("a", 600, start)
+    d.p.tick(start + 3.0)
+    assert isinstance(d.arrive("a", 650, start + 5.0), Admit)
+    assert of(d.p.tick(start + 20.0), Prefetch) == []
+    off = Driver(make(dormant_quantile=0.25, dormant_min_s=0.0, **_tier(prefetch_predicted=False)))
+    start = _learn_short_and_long_tool_calls(off)
+    off.acting("a", 600, start)
+    assert of(off.p.tick(start + 3.0), Offload) == [Offload("a", "w0")]
+    assert of(off.p.tick(start + 20.0), Prefetch) == []

@@ -42,3 +42,16 @@ def test_bad_input_is_refused() -> None:
         times.observe(-1.0)
     with pytest.raises(ValueError):
         times.quantile(1.5)
+
+
+def test_median_beyond_is_the_median_of_the_calls_longer_than_the_elapsed_time() -> None:
+    times = ToolTimes(window=100, min_samples=4)
+    for seconds in (1.0, 2.0, 3.0):
+        times.observe(seconds)
+    assert times.median_beyond(0.0) is None  # too few samples yet
+    for seconds in (10.0, 20.0, 30.0, 40.0):
+        times.observe(seconds)
+    assert times.median_beyond(0.0) == 10.0  # all seven: 1, 2, 3, 10, 20, 30, 40
+    assert times.median_beyond(3.0) == 20.0  # the four longer than 3 s: lower median
+    assert times.median_beyond(25.0) == 30.0
+    assert times.median_beyond(40.0) is None  # nothing lasted longer
