@@ -107,11 +107,10 @@ class BaselineConfig(_Strict):
 # With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
 # in host memory instead of being lost, so the policy may count less of what waits: programs
 # turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
-# offloaded then, and a worker pauses at 1.1 of its GPU pool. These are the defaults of the
+# offloaded then (and ``host_tier_overcommit`` applies). These are the defaults of the
 # keys a file leaves out when it turns the tier on (docs/architecture.md §3; measured in
 # experiments/results/host_tier/README.md).
-HOST_TIER_DEFAULTS: dict[str, Any] = {"pause_threshold": 1.1, "dormant_quantile": 0.25,
-                                      "dormant_min_s": 30.0}
+HOST_TIER_DEFAULTS: dict[str, Any] = {"dormant_quantile": 0.25, "dormant_min_s": 30.0}
 HOST_TIER_RETENTION_DEFAULTS: dict[str, Any] = {"offload_dormant": True}
 
 
@@ -220,6 +219,10 @@ class ProgramAwareConfig(PolicyConfig):
     dormant_min_s: NonNegative = 90.0
     dormant_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     tool_time_window: Annotated[int, Field(ge=1)] = 1000
+    # With ``retention.host_tier``: a worker whose programs, paused ones included, would all
+    # fit under this share of its GPU pool pauses none of them (the overflow waits in the
+    # tier); past it, ``pause_threshold`` rules as without a tier.
+    host_tier_overcommit: Fraction = 2.0
     retention: RetentionConfig = RetentionConfig()
 
     @model_validator(mode="wrap")
@@ -282,6 +285,11 @@ class ProgramAwareConfig(PolicyConfig):
             raise ValueError(
                 f"pause_target ({self.pause_target}) must be ≤ pause_threshold "
                 f"({self.pause_threshold}): a pause pass stops at pause_target"
+            )
+        if self.host_tier_overcommit < self.pause_threshold:
+            raise ValueError(
+                f"host_tier_overcommit ({self.host_tier_overcommit}) must be ≥ pause_threshold "
+                f"({self.pause_threshold}): it is the share a worker runs unpaused with a host tier"
             )
         if self.resume_hysteresis > self.pause_threshold:
             raise ValueError(

@@ -94,6 +94,9 @@ class ProgramAwarePolicy(Policy):
         # worker -> the session it drains for: a program too large for any worker's resume
         # limit, which no other program may be placed or resumed onto meanwhile
         self._reserved: dict[str, str] = {}
+        # With a host tier: worker -> tokens of the paused programs homed there (recounted
+        # at each tick and each new program's placement)
+        self._paused_tokens: dict[str, int] = {}
 
     def token_weights(self, config: ProgramAwareConfig) -> TokenWeights:  # type: ignore[override]
         return config
@@ -212,10 +215,12 @@ class ProgramAwarePolicy(Policy):
 
     def forget_worker(self, name: str) -> None:
         self._reserved.pop(name, None)
+        self._paused_tokens.pop(name, None)
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         actions += self._release_idle(now)
+        self._count_paused_tokens()
         actions += self._mark_dormant(now)
         actions += self._prefetch_predicted(now)
         actions += self._overdue(now)
@@ -309,7 +314,7 @@ class ProgramAwarePolicy(Policy):
         queue = self._queue
         if not len(queue):
             return actions
-        limit = self.config.pause_threshold - self.config.resume_hysteresis
+        limit = self._highest_threshold() - self.config.resume_hysteresis
         buffer = self.config.buffer_per_program
         headroom = self._max_headroom(limit)
         smallest = queue.min_demand()
@@ -319,7 +324,7 @@ class ProgramAwarePolicy(Policy):
             if demand + buffer > headroom or session not in queue:
                 continue
             program = self.programs[session]
-            worker = self._resume_target(program, demand, limit)
+            worker = self._resume_target(program, demand)
             if worker is None:
                 continue
             actions += self._resume_program(program, worker, now, forced=False)
@@ -389,26 +394,34 @@ class ProgramAwarePolicy(Policy):
             lot.retry(entry)
         return actions
 
-    def _resume_target(self, program: Program, weighted: float, limit: float) -> str | None:
+    def _resume_target(self, program: Program, weighted: float) -> str | None:
         if self._anchored_home(program):
             home = program.home_worker
-            return home if self._open_to(home, program) and self._fits(home, weighted, limit) else None
+            return home if self._open_to(home, program) and self._resumable(home, program, weighted) else None
         preferred = [program.home_worker]
         if program.parent_session_id is not None:
             parent = self.programs.get(program.parent_session_id)
             if parent is not None:
                 preferred.append(parent.home_worker)
         for worker in preferred:
-            if worker is not None and self._open_to(worker, program) and self._fits(worker, weighted, limit):
+            if worker is not None and self._open_to(worker, program) and self._resumable(worker, program, weighted):
                 return worker
         best, best_u = None, -math.inf
         for load in self.ledger.workers():
             if not load.accepts_programs or not self._open_to(load.name, program):
                 continue
             u = self.ledger.utilization_with(load.name, weighted)
-            if u <= limit and u > best_u:
+            if u > best_u and self._resumable(load.name, program, weighted):
                 best, best_u = load.name, u
         return best
+
+    def _resumable(self, worker: str, program: Program, weighted: float) -> bool:
+        """Whether ``program`` fits on ``worker`` under its resume limit (its pause threshold
+        less ``resume_hysteresis``)."""
+        counted = program.paused and program.home_worker == worker  # among its paused tokens
+        newcomer = 0 if counted else int(weighted)
+        limit = self._bands(worker, newcomer)[0] - self.config.resume_hysteresis
+        return self._fits(worker, weighted, limit)
 
     def _anchored_home(self, program: Program) -> bool:
         """With a host tier, a program whose home still holds its KV (on the GPU or in the
@@ -449,9 +462,8 @@ class ProgramAwarePolicy(Policy):
 
     def _pause(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        threshold = self.config.pause_threshold
-        target = self.config.pause_target
         for load in self.ledger.workers():
+            threshold, target = self._bands(load.name)
             if not load.capacity_tokens or self.ledger.utilization(load.name) < threshold:
                 continue
             capacity = load.capacity_tokens
@@ -513,12 +525,12 @@ class ProgramAwarePolicy(Policy):
     # -- soft band and retention -------------------------------------------------------
 
     def _update_soft_band(self) -> None:
-        low, high = self.config.pause_target, self.config.pause_threshold
-        self._soft_band = frozenset(
-            load.name
-            for load in self.ledger.workers()
-            if load.capacity_tokens and low <= self.ledger.utilization(load.name) < high
-        )
+        band = set()
+        for load in self.ledger.workers():
+            high, low = self._bands(load.name)
+            if load.capacity_tokens and low <= self.ledger.utilization(load.name) < high:
+                band.add(load.name)
+        self._soft_band = frozenset(band)
 
     def in_soft_band(self, worker: str) -> bool:
         return worker in self._soft_band
@@ -558,18 +570,20 @@ class ProgramAwarePolicy(Policy):
     def _route_new(self, program: Program, call: Call) -> str | None:
         request = call.request
         demand = max(program.demand_tokens(), request.prompt_tokens + self.config.growth_reserve_tokens)
-        threshold = self.config.pause_threshold
+        if self.config.retention.host_tier:
+            self._count_paused_tokens()  # arrivals come between ticks
         if program.parent_session_id is not None:
             parent = self.programs.get(program.parent_session_id)
             if parent is not None and parent.home_worker is not None:
-                if self._open_to(parent.home_worker, program) and self._fits(parent.home_worker, demand, threshold):
-                    return parent.home_worker
+                home = parent.home_worker
+                if self._open_to(home, program) and self._fits(home, demand, self._bands(home, demand)[0]):
+                    return home
         best, best_score = None, -math.inf
         for load in self.ledger.workers():
             if not load.accepts_programs or not self._open_to(load.name, program):
                 continue
             u_after = self.ledger.utilization_with(load.name, demand)
-            if u_after > threshold:
+            if u_after > self._bands(load.name, demand)[0]:
                 continue
             score = self.prefix_credit(load.name, call) - self.ledger.utilization(load.name)
             if load.name in self._soft_band:
@@ -585,6 +599,38 @@ class ProgramAwarePolicy(Policy):
         any load difference and pile new programs onto the first worker that cached it.)"""
         capacity = self.ledger.worker(worker).capacity_tokens
         return self.resident_prefix(worker, call) / capacity if capacity else 0.0
+
+    def _bands(self, worker: str, newcomer: int = 0) -> tuple[float, float]:
+        """``(pause threshold, pause target)`` of ``worker``. With a host tier, a worker whose
+        load (as U counts it), paused programs and ``newcomer`` tokens more would all fit
+        under ``host_tier_overcommit`` of its GPU pool runs them all (threshold at that share): what
+        overflows the GPU waits in the tier, which is cheaper than waiting for room. Once they
+        would not fit, some must wait anyway, and ``pause_threshold`` keeps the active ones to
+        what the GPU runs without thrashing."""
+        config = self.config
+        if config.retention.host_tier:
+            overcommit = config.host_tier_overcommit
+            capacity = self.ledger.worker(worker).capacity_tokens
+            waiting = self._paused_tokens.get(worker, 0)
+            if self.ledger.load_tokens(worker) + waiting + newcomer <= overcommit * capacity:
+                return overcommit, max(0.0, overcommit - (config.pause_threshold - config.pause_target))
+        return config.pause_threshold, config.pause_target
+
+    def _highest_threshold(self) -> float:
+        if self.config.retention.host_tier:
+            return max(self.config.pause_threshold, self.config.host_tier_overcommit)
+        return self.config.pause_threshold
+
+    def _count_paused_tokens(self) -> None:
+        if not self.config.retention.host_tier:
+            return
+        paused: dict[str, int] = {}
+        for session in self._parking.lot.sessions():
+            program = self.programs[session]
+            home = program.home_worker
+            if program.paused and home is not None:
+                paused[home] = paused.get(home, 0) + program.demand_tokens()
+        self._paused_tokens = paused
 
     def _fits(self, worker: str, demand: float, limit: float) -> bool:
         load = self.ledger.worker(worker)

@@ -320,7 +320,7 @@ def test_every_model_is_strict(section):
 
 def test_turning_the_host_tier_on_gives_the_tier_defaults_to_the_keys_left_out():
     tiered = parse_policy_yaml("policy:\n  retention:\n    host_tier: true\n")
-    assert (tiered.pause_threshold, tiered.pause_target) == (1.1, 1.08)
+    assert (tiered.pause_threshold, tiered.host_tier_overcommit) == (1.0, 2.0)
     assert (tiered.dormant_quantile, tiered.dormant_min_s) == (0.25, 30.0)
     assert tiered.retention.offload_dormant is True
     assert ProgramAwareConfig(retention=RetentionConfig(host_tier=True)) == tiered
@@ -343,3 +343,8 @@ def test_a_fleet_with_a_host_tier_turns_it_on_unless_the_file_said_otherwise():
     assert refused.for_host_tier() is refused
     router = PolicyConfig(name="least_loaded")
     assert router.for_host_tier() is router
+
+
+def test_host_tier_overcommit_below_the_pause_threshold_is_refused():
+    with pytest.raises(ConfigError, match="host_tier_overcommit"):
+        parse_policy_yaml("policy:\n  pause_threshold: 1.2\n  host_tier_overcommit: 1.1\n")

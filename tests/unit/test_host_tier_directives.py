@@ -13,8 +13,10 @@ from sluice_vllm_plugin.directive_envelope import KvOffload, KvPrefetch
 from tests.unit.test_program_aware import Driver, _learn_tool_times, make, of, sessions
 
 
-def _tier(**retention):
-    return {"retention": {"host_tier": True, **retention}}
+def _tier(overcommit: float = 0.95, **retention):
+    """The tier on; by default overcommitting no further than make()'s pause threshold, so
+    pauses happen as without a tier (the overcommit rule has tests of its own)."""
+    return {"retention": {"host_tier": True, **retention}, "host_tier_overcommit": overcommit}
 
 
 def _paused_pair(d: Driver) -> list:
@@ -242,7 +244,7 @@ def test_a_simulated_fleet_with_a_tier_tells_program_aware_and_reports_the_tier(
         workers=2, preset="llama3.1-8b-h100", duration_s=30.0, show_progress=False,
         kv_offload_gib=1.0)
     program_aware, least_loaded = built
-    assert program_aware.config.retention.host_tier and program_aware.config.pause_threshold == 1.1
+    assert program_aware.config.retention.host_tier and program_aware.config.dormant_quantile == 0.25
     assert least_loaded.name == "least_loaded"
     for result in results:
         row = result.summary()
@@ -283,3 +285,29 @@ def test_no_predicted_prefetch_once_the_call_came_or_without_the_key() -> None:
     off.acting("a", 600, start)
     assert of(off.p.tick(start + 3.0), Offload) == [Offload("a", "w0")]
     assert of(off.p.tick(start + 20.0), Prefetch) == []
+
+
+def _four_acting(d: Driver) -> None:
+    for sid, ctx in [("d", 360), ("b", 200), ("c", 300), ("a", 100)]:
+        d.acting(sid, ctx)  # 960 of w0's 1000 tokens: past the 0.95 threshold
+
+
+def test_with_the_tier_a_worker_whose_programs_all_fit_under_the_overcommit_pauses_none() -> None:
+    d = Driver(make(**_tier(overcommit=2.0)))
+    _four_acting(d)
+    assert of(d.p.tick(1.0), Pause) == []
+    assert isinstance(d.arrive("e", 300, 2.0), Admit)  # a new program fits under 2.0 too
+    without = Driver(make())
+    _four_acting(without)
+    assert sessions(without.p.tick(1.0), Pause) == ["a", "b"]
+    assert not isinstance(without.arrive("e", 300, 2.0), Admit)
+
+
+def test_once_the_programs_outgrow_the_overcommit_the_pause_threshold_rules() -> None:
+    d = Driver(make(**_tier(overcommit=1.2)))
+    _four_acting(d)
+    assert of(d.p.tick(1.0), Pause) == []
+    assert not isinstance(d.arrive("e", 300, 2.0), Admit)  # 1260 > 1.2 × 1000: no room for it
+    assert isinstance(d.arrive("c", 600, 3.0), Admit)  # c's context grows: 1260 on w0
+    actions = d.p.tick(4.0)
+    assert sessions(actions, Pause) == ["a", "b", "d"]  # smallest first, down to 0.80 of the pool
