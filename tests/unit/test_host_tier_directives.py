@@ -311,3 +311,12 @@ def test_once_the_programs_outgrow_the_overcommit_the_pause_threshold_rules() ->
     assert isinstance(d.arrive("c", 600, 3.0), Admit)  # c's context grows: 1260 on w0
     actions = d.p.tick(4.0)
     assert sessions(actions, Pause) == ["a", "b", "d"]  # smallest first, down to 0.80 of the pool
+
+
+def test_a_worker_that_had_to_pause_keeps_the_pause_threshold_while_its_paused_programs_wait() -> None:
+    d = Driver(make(**_tier(overcommit=1.2)))
+    _four_acting(d)
+    d.arrive("c", 600, 1.0)  # 1260 on w0: past the overcommit
+    assert sessions(d.p.tick(2.0), Pause) == ["a", "b", "d"]
+    # 600 active: a 400-token newcomer would fit under 1.2, but w0's paused programs still wait
+    assert not isinstance(d.arrive("e", 400, 3.0), Admit)
