@@ -219,10 +219,12 @@ class ProgramAwareConfig(PolicyConfig):
     dormant_min_s: NonNegative = 90.0
     dormant_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     tool_time_window: Annotated[int, Field(ge=1)] = 1000
-    # With ``retention.host_tier``: a worker whose programs, paused ones included, would all
-    # fit under this share of its GPU pool pauses none of them (the overflow waits in the
-    # tier); past it, ``pause_threshold`` rules as without a tier.
-    host_tier_overcommit: Fraction = 2.0
+    # With ``retention.host_tier``: a worker whose programs' contexts (all of them, dormant
+    # and paused ones included) add up to at most this many GPU pools pauses none of them
+    # (what overflows the GPU waits in the tier); past it, and until every program it then
+    # paused is back, ``pause_threshold`` rules as without a tier. A multiple of the GPU
+    # pool, not a share: the tier is several times the pool (llama3.1-8b-h100: 3.4×).
+    host_tier_overcommit: Annotated[float, Field(gt=0.0, le=10.0)] = 2.5
     retention: RetentionConfig = RetentionConfig()
 
     @model_validator(mode="wrap")

@@ -320,7 +320,7 @@ def test_every_model_is_strict(section):
 
 def test_turning_the_host_tier_on_gives_the_tier_defaults_to_the_keys_left_out():
     tiered = parse_policy_yaml("policy:\n  retention:\n    host_tier: true\n")
-    assert (tiered.pause_threshold, tiered.host_tier_overcommit) == (1.0, 2.0)
+    assert (tiered.pause_threshold, tiered.host_tier_overcommit) == (1.0, 2.5)
     assert (tiered.dormant_quantile, tiered.dormant_min_s) == (0.25, 30.0)
     assert tiered.retention.offload_dormant is True
     assert ProgramAwareConfig(retention=RetentionConfig(host_tier=True)) == tiered
