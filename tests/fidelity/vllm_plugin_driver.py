@@ -292,7 +292,7 @@ def _run_retention(seq):
         elif kind == "free":
             if op["rid"] in live:
                 session, blocks = live.pop(op["rid"])
-                with retention.freeing(pool, session):
+                with retention.freeing(pool, None if op.get("anonymous") else session):
                     pool.free_blocks(reversed(blocks))
             else:
                 res["status"] = "noop"
