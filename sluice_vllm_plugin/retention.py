@@ -72,18 +72,17 @@ class _Session:
     ``latest`` is its latest move between classes (a :class:`_Unit`): every side unit of the
     session older than it was moved with it, so those units are dead and their blocks live on in
     ``latest``. ``units`` are its side units since then (the move first), in the order they
-    joined. ``side_free`` counts its free blocks in side classes (all in ``cls``). ``stray`` is
+    joined; their blocks are its free blocks in side classes (all in ``cls``). ``stray`` is
     set when a free without a session put one of its blocks in vLLM's list while its class is
     another (the next directive for the session moves such blocks)."""
 
-    __slots__ = ("name", "cls", "latest", "units", "side_free", "log", "stray")
+    __slots__ = ("name", "cls", "latest", "units", "log", "stray")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.cls = NORMAL_CLASS
         self.latest: _Unit | None = None
         self.units: list[_Unit] = []
-        self.side_free = 0
         self.log: list[_Freed] = []
         self.stray = False
 
@@ -249,29 +248,28 @@ class ClassedFreeQueue(_FreeQueue):
             raise ValueError(f"cannot pop {n} blocks, {self.num_free_blocks} free")
         if n <= 0:
             return []
-        if self._side_live or self._expiries:
-            return self._popleft_classed(n)
-        # no side class in play: vLLM's own order
-        front = self._front
-        if front:
-            self._front = front - n if front > n else 0
-        taken = _vllm_popleft_n(self, n)
-        if self._sessions:
-            owner = self._owner
-            for block in taken:
-                owner[block.block_id] = None
-        return taken
-
-    def _popleft_classed(self, n: int) -> list:
-        # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
+        owner = self._owner
         expiries = self._expiries
+        if not self._side_live and not expiries:
+            # no side class in play: vLLM's own order
+            front = self._front
+            if front:
+                self._front = front - n if front > n else 0
+            taken = _vllm_popleft_n(self, n)
+            if self._sessions:
+                for block in taken:
+                    owner[block.block_id] = None
+            return taken
+        # Classed: the front, side classes below normal, the rest of the list, side classes
+        # above. Inline (no helper frames): while a class below normal holds blocks, this is
+        # every allocation's path.
         if expiries:
+            # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
             r = self._r
             now = r.clock()
             if expiries[0][0] <= now:
                 r.expire(now)
-        taken: list = []
-        owner = self._owner
+        taken = []
         front = self._front
         if front:
             k = min(n, front)
@@ -296,16 +294,13 @@ class ClassedFreeQueue(_FreeQueue):
             self._side_live -= k
             self.num_free_blocks -= k
             n -= k
-            # k blocks from the head of side class c (it holds at least that many); inline, as
-            # this is every allocation's path while a class below normal holds blocks
+            # k blocks from the head of side class c (it holds at least that many)
             q = c.q
             pos = self._pos
             while k:
                 unit = q[0]
-                session = unit.session
-                latest = session.latest
-                ticket = unit.ticket
-                if not unit.live or (latest is not None and latest.ticket > ticket):
+                latest = unit.session.latest
+                if not unit.live or (latest is not None and latest.ticket > unit.ticket):
                     q.popleft()         # dead: emptied, or superseded by a move
                     continue
                 blocks = unit.blocks
@@ -325,7 +320,6 @@ class ClassedFreeQueue(_FreeQueue):
                         got += 1
                 unit.index = i
                 unit.live -= got
-                session.side_free -= got
                 k -= got
                 if not unit.live or i == end:
                     q.popleft()
@@ -377,21 +371,6 @@ class ClassedFreeQueue(_FreeQueue):
         s.log = kept
         return blocks
 
-    @staticmethod
-    def _sources(units: list) -> list:
-        """What a move of a session whose side units are ``units`` takes its blocks from:
-        those units that hold any, with a move not yet worked out replaced by its own sources
-        (a chain of moves is resolved once, from the units the blocks joined)."""
-        sources = []
-        for unit in units:
-            if not unit.live:
-                continue
-            if unit.blocks is None and not unit.mixed:
-                sources += unit.sources
-            else:
-                sources.append(unit)
-        return sources
-
     def _unit_of(self, block_id: int) -> _Unit:
         """The unit a free block in a side class is in."""
         unit = self._pos[block_id]
@@ -409,7 +388,6 @@ class ClassedFreeQueue(_FreeQueue):
         unit = self._unit_of(block.block_id)
         self._pos[block.block_id] = None
         unit.live -= 1
-        unit.session.side_free -= 1
         c = unit.side
         c.live -= 1
         self._side_live -= 1
@@ -480,7 +458,6 @@ class ClassedFreeQueue(_FreeQueue):
         c.q.append(unit)
         s.units.append(unit)
         c.live += len(blocks)
-        s.side_free += len(blocks)
         self._side_live += len(blocks)
         self.num_free_blocks += len(blocks)
 
@@ -597,11 +574,25 @@ class ClassedFreeQueue(_FreeQueue):
                 # whatever their place in ownership order
                 self._file(s, listed, mixed=True)
             return
+        # The session's blocks in side classes are those of its units since its latest move;
+        # the move takes them from the units that hold any, a move not worked out yet standing
+        # for its own sources (a chain of moves is resolved once, from where blocks joined).
+        side_free = 0
+        sources: list = []
+        mixed = False
+        for unit in s.units:
+            if not unit.live:
+                continue
+            side_free += unit.live
+            if unit.blocks is None and not unit.mixed:
+                sources += unit.sources
+            else:
+                sources.append(unit)
+                mixed = mixed or unit.mixed
         if old != NORMAL_CLASS:
             source = self._classes[old]
-            source.live -= s.side_free
-            target.live += s.side_free
-        sources = self._sources(s.units)
+            source.live -= side_free
+            target.live += side_free
         if listed:
             # the blocks taken from the list, as one unit of the move's sources
             taken = _Unit(s, target, self._ticket(), listed, len(listed))
@@ -612,15 +603,14 @@ class ClassedFreeQueue(_FreeQueue):
         move = _Unit(s, target, self._ticket(), None, 0)
         move.sources = sources
         # blocks from the list interleave with the others in ownership order: by the log
-        move.mixed = any(unit.mixed for unit in sources) or bool(listed and s.side_free)
+        move.mixed = mixed or bool(listed and side_free)
+        move.live = side_free + len(listed)
         if listed:
             target.live += len(listed)
-            s.side_free += len(listed)
             self._side_live += len(listed)
             self.num_free_blocks += len(listed)
         s.latest = move
         s.units = [move]
-        move.live = s.side_free
         if move.live:
             target.q.append(move)
         if old != NORMAL_CLASS:
@@ -641,7 +631,6 @@ class ClassedFreeQueue(_FreeQueue):
                     pos[block.block_id] = unit
                 c.q.append(unit)
         for s in self._sessions.values():
-            s.side_free = 0
             s.units = []
 
     def _back_to_list(self, s: _Session, source: _Class) -> None:
@@ -656,7 +645,6 @@ class ClassedFreeQueue(_FreeQueue):
         source.live -= len(moved)
         self._side_live -= len(moved)
         self.num_free_blocks -= len(moved)
-        s.side_free = 0
         _vllm_append_n(self, moved)
         source.compact_if_stale()
 
