@@ -255,6 +255,20 @@ class ClassedFreeQueue(_FreeQueue):
             front = self._front
             if front:
                 self._front = front - n if front > n else 0
+            if n == 1:
+                # vLLM's popleft_n(1) (kv_cache_utils.FreeKVCacheBlockQueue), inline: a frame
+                # less on every decode step's allocation
+                self.num_free_blocks -= 1
+                head = self.fake_free_list_head
+                block = head.next_free_block
+                following = block.next_free_block
+                block.prev_free_block = None
+                block.next_free_block = None
+                if following is not None:
+                    head.next_free_block = following
+                    following.prev_free_block = head
+                owner[block.block_id] = None
+                return [block]
             taken = _vllm_popleft_n(self, n)
             if self._sessions:
                 for block in taken:
@@ -426,7 +440,8 @@ class ClassedFreeQueue(_FreeQueue):
         s = self._sessions.get(name)
         if s is None:
             s = self._sessions[name] = _Session(name)
-        blocks = list(blocks)
+        # kept, not copied: vLLM's callers (free_blocks, unpin_blocks) pass a list of their own
+        # that they drop afterwards
         # logged even if it ends up owning nothing (a sweep drops it): cheaper than checking
         record = _Freed(s, blocks)
         mixed = False
