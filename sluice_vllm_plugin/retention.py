@@ -13,7 +13,8 @@ A bias, never a pin: retained blocks are still free and are evicted when nothing
 
 A cached block belongs to the session whose request last freed it (down to ref count 0); its
 class is that session's class at the time, and directives re-class the session's free blocks,
-keeping their relative LRU order. The session of a free comes from ``KVCacheManager.free``
+keeping their relative LRU order (lazily, in O(1) for blocks already off the normal class: see
+:class:`ClassedFreeQueue`). The session of a free comes from ``KVCacheManager.free``
 (wrapped to record ``request.session_id`` on the pool while it runs), or from
 :func:`freeing` for callers that drive a ``BlockPool`` directly.
 
@@ -106,7 +107,8 @@ class _Unit:
     ``blocks`` are None until needed, and are then the blocks of its ``sources`` (the session's
     units it superseded, in the order they joined) that are in it, which is the order they
     became the session's own unless a source is ``mixed`` (it holds blocks the session owned
-    before it, re-freed). A block's unit is ``_pos[block_id]``, the unit it last joined (None
+    before it, re-freed): then the move is resolved from the session's ownership log (the
+    move is ``mixed`` until then). A block's unit is ``_pos[block_id]``, the unit it last joined (None
     when it is not free in a side class); it is *in* that unit until a move of its session
     supersedes the unit, and from then in the move. ``live`` counts the blocks in the unit;
     ``index`` is how far pops have consumed ``blocks``."""
