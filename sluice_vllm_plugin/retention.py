@@ -41,7 +41,6 @@ import queue
 import time
 import weakref
 from collections import deque
-from itertools import repeat
 from typing import Any, Callable
 
 from vllm.v1.core import block_pool as _bp
@@ -108,10 +107,10 @@ class _Unit:
     units it superseded, in the order they joined) that are in it, which is the order they
     became the session's own unless a source is ``mixed`` (it holds blocks the session owned
     before it, re-freed): then the move is resolved from the session's ownership log (the
-    move is ``mixed`` until then). A block's unit is ``_pos[block_id]``, the unit it last joined (None
-    when it is not free in a side class); it is *in* that unit until a move of its session
-    supersedes the unit, and from then in the move. ``live`` counts the blocks in the unit;
-    ``index`` is how far pops have consumed ``blocks``."""
+    move is ``mixed`` until then). A block's unit is ``_pos[block_id]``, the unit it last
+    joined (None when it is not free in a side class); it is *in* that unit until a move of its
+    session supersedes the unit, and from then in the move. ``live`` counts the blocks in the
+    unit; ``index`` is how far pops have consumed ``blocks``."""
 
     __slots__ = ("session", "side", "ticket", "blocks", "live", "index", "bound", "sources",
                  "mixed")

@@ -92,7 +92,8 @@ def generate_lazy(seed: int) -> dict:
         if r < 0.35:
             session = rng.choice(sessions)
             # the session's next call: its previous context plus a little more
-            tokens = last_tokens[session] + [rng.randrange(40) for _ in range(rng.randint(1, 3 * bs))]
+            more = [rng.randrange(40) for _ in range(rng.randint(1, 3 * bs))]
+            tokens = last_tokens[session] + more
             tokens = tokens[-(num_blocks // 3) * bs:]
             last_tokens[session] = tokens
             ops.append({"op": "arrive", "rid": f"r{rid}", "tokens": tokens, "session": session,
