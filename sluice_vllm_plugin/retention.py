@@ -256,12 +256,12 @@ class ClassedFreeQueue(_FreeQueue):
             front = self._front
             if front:
                 self._front = front - n if front > n else 0
+            # vLLM's popleft_n (kv_cache_utils.FreeKVCacheBlockQueue), inline and with each
+            # block's owner forgotten in the same loop: every allocation's path
+            self.num_free_blocks -= n
+            head = self.fake_free_list_head
+            block = head.next_free_block
             if n == 1:
-                # vLLM's popleft_n(1) (kv_cache_utils.FreeKVCacheBlockQueue), inline: a frame
-                # less on every decode step's allocation
-                self.num_free_blocks -= 1
-                head = self.fake_free_list_head
-                block = head.next_free_block
                 following = block.next_free_block
                 block.prev_free_block = None
                 block.next_free_block = None
@@ -270,10 +270,17 @@ class ClassedFreeQueue(_FreeQueue):
                     following.prev_free_block = head
                 owner[block.block_id] = None
                 return [block]
-            taken = _vllm_popleft_n(self, n)
-            if self._sessions:
-                for block in taken:
-                    owner[block.block_id] = None
+            taken = []
+            for _ in range(n):
+                taken.append(block)
+                popped = block
+                block = block.next_free_block
+                popped.prev_free_block = None
+                popped.next_free_block = None
+                owner[popped.block_id] = None
+            if block is not None:
+                head.next_free_block = block
+                block.prev_free_block = head
             return taken
         # Classed: the front, side classes below normal, the rest of the list, side classes
         # above. Inline (no helper frames): while a class below normal holds blocks, this is
@@ -445,18 +452,32 @@ class ClassedFreeQueue(_FreeQueue):
         # that they drop afterwards
         # logged even if it ends up owning nothing (a sweep drops it): cheaper than checking
         record = _Freed(s, blocks)
-        mixed = False
-        for block in blocks:
-            block_id = block.block_id
-            previous = owner[block_id]
-            if previous is None or previous.session is not s:
-                owner[block_id] = record
-            else:
-                mixed = True        # the session's already: its place in ownership order stays
         s.log.append(record)
         if s.cls == NORMAL_CLASS:
-            _vllm_append_n(self, blocks)
+            # vLLM's append_n (kv_cache_utils.FreeKVCacheBlockQueue) and the ownership in one
+            # loop: this is every request's free
+            tail = self.fake_free_list_tail
+            last = tail.prev_free_block
+            for block in blocks:
+                block_id = block.block_id
+                previous = owner[block_id]
+                if previous is None or previous.session is not s:
+                    owner[block_id] = record
+                block.prev_free_block = last
+                last.next_free_block = block
+                last = block
+            last.next_free_block = tail
+            tail.prev_free_block = last
+            self.num_free_blocks += len(blocks)
         else:
+            mixed = False
+            for block in blocks:
+                block_id = block.block_id
+                previous = owner[block_id]
+                if previous is None or previous.session is not s:
+                    owner[block_id] = record
+                else:
+                    mixed = True    # the session's already: its place in ownership order stays
             self._file(s, blocks, mixed)
         self._records += 1
         if self._records >= self._sweep_at:
