@@ -68,7 +68,8 @@ _UNTRACKED: Any = _Untracked()
 _POOL_DEFAULTS = {
     _ADMIT: None,
     _CIDS: None,
-    "_sluice_cid": None,          # continuation id of the latest BlockStored built
+    "_sluice_request": None,      # the request of the latest BlockStored built ...
+    "_sluice_cid": None,          # ... and its continuation id
     "_sluice_removing": None,     # (primary key, label, num_tokens) of the block being cleared
 }
 
@@ -198,14 +199,18 @@ def _replace_build(orig):
     def _build_block_stored_event(self, request, block_hashes, parent_block_hash,
                                   start_token_idx, end_token_idx, block_size,
                                   kv_cache_group_id, extra_keys_list):
-        # continuation_of(request), inlined: this runs for every block a decode fills; anything
-        # but a plain non-empty str goes the long way
-        params = request.sampling_params
-        extra = params.extra_args if params is not None else None
-        cid = extra.get("continuation_id") if extra else None
-        if cid is not None and (type(cid) is not str or not cid):
-            cid = continuation_of(request)
-        self._sluice_cid = cid
+        if request is self._sluice_request:      # a decode step of the same request
+            cid = self._sluice_cid
+        else:
+            # continuation_of(request), inlined; anything but a plain non-empty str goes the
+            # long way
+            params = request.sampling_params
+            extra = params.extra_args if params is not None else None
+            cid = extra.get("continuation_id") if extra else None
+            if cid is not None and (type(cid) is not str or not cid):
+                cid = continuation_of(request)
+            self._sluice_request = request
+            self._sluice_cid = cid
         lora = request.lora_request
         # positional, in _STORED_POSITIONAL's order
         return LabelledBlockStored(
