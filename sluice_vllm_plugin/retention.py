@@ -707,11 +707,11 @@ class Retention:
     # scheduler thread
     def drain(self) -> int:
         n = 0
-        while True:
-            try:
-                action, session_id, priority, ttl_s, at = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+        inbox = self.inbox
+        # the scheduler's thread is the only consumer: not empty means the get succeeds (and
+        # no queue.Empty is raised to end every drain)
+        while not inbox.empty():
+            action, session_id, priority, ttl_s, at = inbox.get_nowait()
             try:
                 if not isinstance(session_id, str) or not session_id:
                     raise ValueError("session_id must be a non-empty string")
