@@ -295,7 +295,7 @@ class ClassedFreeQueue(_FreeQueue):
         front = self._front
         if front:
             k = min(n, front)
-            taken += _vllm_popleft_n(self, k)
+            taken += self._popleft_listed(k)
             self._front = front - k
             n -= k
         for c in self._order:
@@ -304,7 +304,7 @@ class ClassedFreeQueue(_FreeQueue):
             if c is self._normal:
                 k = min(n, self.num_free_blocks - self._side_live)
                 if k:
-                    taken += _vllm_popleft_n(self, k)
+                    taken += self._popleft_listed(k)
                     n -= k
                 continue
             k = c.live
@@ -335,9 +335,11 @@ class ClassedFreeQueue(_FreeQueue):
                 while got < k and i < end:
                     block = blocks[i]
                     i += 1
-                    joined = pos[block.block_id]
+                    block_id = block.block_id
+                    joined = pos[block_id]
                     if joined is not None and joined.ticket <= bound:
-                        pos[block.block_id] = None
+                        pos[block_id] = None
+                        owner[block_id] = None          # handed out: forgotten
                         taken.append(block)
                         got += 1
                 unit.index = i
@@ -345,6 +347,12 @@ class ClassedFreeQueue(_FreeQueue):
                 k -= got
                 if not unit.live or i == end:
                     q.popleft()
+        return taken
+
+    def _popleft_listed(self, k: int) -> list:
+        """``k`` blocks from the head of vLLM's list, their owners forgotten."""
+        taken = _vllm_popleft_n(self, k)
+        owner = self._owner
         for block in taken:
             owner[block.block_id] = None
         return taken
