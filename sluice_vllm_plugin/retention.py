@@ -396,7 +396,7 @@ class ClassedFreeQueue(_FreeQueue):
                 kept.append(record)
                 blocks += [block for block in mine
                            if (joined := pos[block.block_id]) is not None
-                           and joined.ticket <= ticket]
+                           and joined.ticket <= ticket and block._block_hash is not None]
         self._records -= len(s.log) - len(kept)
         s.log = kept
         return blocks
@@ -681,7 +681,9 @@ class ClassedFreeQueue(_FreeQueue):
     def _back_to_list(self, s: _Session, source: _Class) -> None:
         """The session's blocks in side classes (all in ``source``) go to the list's tail."""
         pos = self._pos
-        moved = [block for block in self._owned(s) if pos[block.block_id] is not None]
+        # cached blocks only, as every move: after a prefix-cache reset its blocks stay put
+        moved = [block for block in self._owned(s)
+                 if pos[block.block_id] is not None and block._block_hash is not None]
         for block in moved:
             pos[block.block_id] = None
         # supersedes every unit of the session: they are all empty now
