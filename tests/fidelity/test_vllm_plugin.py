@@ -112,6 +112,10 @@ def generate_lazy(seed: int) -> dict:
             ops.append({"op": "demote", "session": rng.choice(sessions)})
         elif r < 0.92:
             ops.append({"op": "release", "session": rng.choice(sessions)})
+        elif r < 0.94 and not live:
+            # every block free: the reset takes every hash, and directives move cached blocks
+            # only, so the side classes' blocks stay where they are
+            ops.append({"op": "reset"})
         else:
             ops.append({"op": "tick", "dt": rng.choice([0.5, 1.0, 2.0])})
     return {"id": f"lazy{seed}", "num_blocks": num_blocks, "block_size": bs, "ops": ops}
@@ -268,8 +272,8 @@ def test_retention_and_removal_attribution_match_sim(driver_out, seed, compactin
 def test_lazy_reclassing_matches_eager_sim(driver_out, seed, compacting):
     """The plugin re-classes a session's free blocks lazily; ``sim/block_pool.py`` moves them
     eagerly, block by block. Directives that override and expire one another, sessions whose
-    calls re-free blocks they own, and frees without a session must leave both with the same
-    evictions and the same free-queue order after every op."""
+    calls re-free blocks they own, frees without a session and prefix-cache resets must leave
+    both with the same evictions and the same free-queue order after every op."""
     seq = generate_lazy(seed)
     run_id = f"lazy{seed}-compacting" if compacting else f"lazy{seed}"
     retained, _ = _replay_on_sim(seq, driver_out, run_id)
@@ -323,6 +327,8 @@ def _replay_on_sim(seq: dict, driver_out: dict, run_id: str) -> tuple[int, int]:
             sim.release(op["session"])
         elif kind == "tick":
             now += op["dt"]
+        elif kind == "reset":
+            got["reset"] = sim.reset_prefix_cache()
         got["removed"] = [[e.block_hashes[0], e.continuation_id, e.num_tokens]
                           for e in sim.take_events() if isinstance(e, BlockRemoved)]
         attributed += sum(1 for _, continuation, _ in got["removed"] if continuation is not None)
