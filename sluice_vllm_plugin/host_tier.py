@@ -52,6 +52,7 @@ from .patching import MethodPatches, then
 logger = logging.getLogger("sluice.vllm_plugin.host_tier")
 
 CPUOffloadingManager = _cpu_manager.CPUOffloadingManager
+_VLLM_LOOKUP = CPUOffloadingManager.lookup
 _ATTR = "_sluice_host_tier"
 _tiers: "weakref.WeakSet[HostTier]" = weakref.WeakSet()
 # lookup/touch take a request context; the CPU manager and its LRU/ARC policies do not read it
@@ -95,12 +96,20 @@ class HostTier:
         self._favoured_keys: dict[str, list] = {}           # session -> keys it is favoured for
         self.not_held = 0
         policy = manager._policy
+        # vLLM's own lookup (not a subclass's): held() may read the policy instead
+        self._lookup_is_policy_get = type(manager).lookup is _VLLM_LOOKUP
         self._policy_evict = policy.evict
         # an attribute of this policy object only: the class, and every other manager, keep
         # vLLM's own method
         policy.evict = self._evict
 
     def held(self, keys: Iterable[Any]) -> list:
+        """The keys the tier holds (``lookup`` HIT or HIT_PENDING). A directive looks up every
+        block its session owns, so this asks the manager's policy directly, as vLLM 0.32's
+        ``CPUOffloadingManager.lookup`` does (a chunk is held while the policy has it)."""
+        if self._lookup_is_policy_get:
+            get = self.manager._policy.get
+            return [k for k in keys if get(k) is not None]
         lookup = self.manager.lookup
         return [k for k in keys if lookup(k, _DIRECTIVE_CONTEXT) in _HELD]
 

@@ -68,8 +68,8 @@ _UNTRACKED: Any = _Untracked()
 _POOL_DEFAULTS = {
     _ADMIT: None,
     _CIDS: None,
-    "_sluice_request": None,      # the request of the caching call on the stack ...
-    "_sluice_cid": None,          # ... and its continuation id, for _build_block_stored_event
+    "_sluice_request": None,      # the request of the latest BlockStored built ...
+    "_sluice_cid": None,          # ... and its continuation id
     "_sluice_removing": None,     # (primary key, label, num_tokens) of the block being cleared
 }
 
@@ -84,9 +84,22 @@ class LabelledBlockRemoved(BlockRemoved, tag="BlockRemoved"):
 
 
 _STORED_FIELDS = BlockStored.__struct_fields__
-# the eviction path builds LabelledBlockRemoved positionally
+# the hot paths build both labelled events positionally (a third cheaper than by keyword);
+# ``apply`` checks that vLLM's structs still have these fields, in this order, with None for
+# every default (the ones the positional calls pass as None)
+_STORED_POSITIONAL = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                      "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                      "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+                      "continuation_id")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership",
                    "continuation_id", "num_tokens")
+
+
+def _positional_fields_match() -> bool:
+    return (LabelledBlockStored.__struct_fields__ == _STORED_POSITIONAL
+            and LabelledBlockRemoved.__struct_fields__ == _REMOVED_FIELDS
+            and all(d is None for d in LabelledBlockStored.__struct_defaults__)
+            and all(d is None for d in LabelledBlockRemoved.__struct_defaults__))
 
 
 def continuation_of(request: Any) -> str | None:
@@ -180,25 +193,32 @@ def _replace_build(orig):
     # vLLM 0.32 ``BlockPool._build_block_stored_event`` (vllm/v1/core/block_pool.py) with the
     # labelled struct built directly: same fields from the same sources, plus the label. Wrapping
     # it instead would build every event twice.
+    # The continuation id is worked out here, once per caching call with events on, and left in
+    # ``_sluice_cid`` for the cache_full_blocks wrapper to label the blocks with.
     @functools.wraps(orig)
     def _build_block_stored_event(self, request, block_hashes, parent_block_hash,
                                   start_token_idx, end_token_idx, block_size,
                                   kv_cache_group_id, extra_keys_list):
+        if request is self._sluice_request:      # a decode step of the same request
+            cid = self._sluice_cid
+        else:
+            # continuation_of(request), inlined; anything but a plain non-empty str goes the
+            # long way
+            params = request.sampling_params
+            extra = params.extra_args if params is not None else None
+            cid = extra.get("continuation_id") if extra else None
+            if cid is not None and (type(cid) is not str or not cid):
+                cid = continuation_of(request)
+            self._sluice_request = request
+            self._sluice_cid = cid
         lora = request.lora_request
+        # positional, in _STORED_POSITIONAL's order
         return LabelledBlockStored(
-            block_hashes=block_hashes,
-            parent_block_hash=parent_block_hash,
-            token_ids=request.all_token_ids[start_token_idx:end_token_idx],
-            block_size=block_size,
-            lora_id=lora.adapter_id if lora else None,
-            medium=self.medium,
-            lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra_keys_list),
-            group_idx=kv_cache_group_id,
-            session_id=request.session_id,
-            continuation_id=(self._sluice_cid if request is self._sluice_request
-                             else continuation_of(request)),
-        )
+            block_hashes, parent_block_hash,
+            request.all_token_ids[start_token_idx:end_token_idx], block_size,
+            lora.adapter_id if lora else None, self.medium, lora.name if lora else None,
+            to_event_extra_keys(extra_keys_list), kv_cache_group_id, None, None, None, None,
+            request.session_id, cid)
     return _build_block_stored_event
 
 
@@ -211,25 +231,23 @@ def _wrap_cache_full(orig):
                         kv_cache_group_id, block_mask)
         if num_cached_blocks >= num_full_blocks:
             return None          # vLLM caches nothing (most calls of an engine step)
-        # continuation_of(request), inlined (a call less): this runs for every block a decode
-        # fills; anything but a plain non-empty str goes the long way
-        params = request.sampling_params
-        extra = params.extra_args if params is not None else None
-        cid = extra.get("continuation_id") if extra else None
-        if cid is not None and (type(cid) is not str or not cid):
-            cid = continuation_of(request)
-        self._sluice_cid = cid
-        self._sluice_request = request
         cache = self.cached_block_hash_to_block._cache
         before = len(cache)
         orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
              kv_cache_group_id, block_mask)
+        # the request's continuation id, as _build_block_stored_event (called once by the
+        # original with events on) found it
+        cid = self._sluice_cid
         # vLLM gave each block it cached here (all but null and masked-out ones) the range's
         # hash as its primary key; a block that had a partial hash lost it first (labelled
         # removal via _remove_cached_block_hashes).
         cids = self._sluice_cids or _cids(self)
-        if len(cache) - before == num_full_blocks - num_cached_blocks and block_mask is None:
+        added = len(cache) - before
+        if added == num_full_blocks - num_cached_blocks and block_mask is None:
             # one new hash-map key per block: no block held any of these hashes
+            if added == 1:                  # a decode filled a block
+                cids[blocks[num_cached_blocks].block_id] = cid
+                return
             for i in range(num_cached_blocks, num_full_blocks):
                 cids[blocks[i].block_id] = cid
             return
@@ -405,8 +423,9 @@ def apply() -> None:
     parameters differ from the ones the patches were written against."""
     if _originals:
         return
-    if LabelledBlockRemoved.__struct_fields__ != _REMOVED_FIELDS:
-        logger.warning("sluice labels: BlockRemoved%s is not vLLM 0.32's; labels not applied",
+    if not _positional_fields_match():
+        logger.warning("sluice labels: BlockStored%s / BlockRemoved%s are not vLLM 0.32's; "
+                       "labels not applied", BlockStored.__struct_fields__,
                        BlockRemoved.__struct_fields__)
         return
     _originals.update((name, getattr(BlockPool, name)) for name in _PATCHES)

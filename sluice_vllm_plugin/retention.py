@@ -13,7 +13,8 @@ A bias, never a pin: retained blocks are still free and are evicted when nothing
 
 A cached block belongs to the session whose request last freed it (down to ref count 0); its
 class is that session's class at the time, and directives re-class the session's free blocks,
-keeping their relative LRU order. The session of a free comes from ``KVCacheManager.free``
+keeping their relative LRU order (lazily, in O(1) for blocks already off the normal class: see
+:class:`ClassedFreeQueue`). The session of a free comes from ``KVCacheManager.free``
 (wrapped to record ``request.session_id`` on the pool while it runs), or from
 :func:`freeing` for callers that drive a ``BlockPool`` directly.
 
@@ -40,7 +41,6 @@ import queue
 import time
 import weakref
 from collections import deque
-from itertools import repeat
 from typing import Any, Callable
 
 from vllm.v1.core import block_pool as _bp
@@ -65,54 +65,91 @@ SWEEP_MIN = 1024
 _pools: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
+class _Session:
+    """A session as the free queue sees it: the class its free blocks are filed in (``cls``,
+    NORMAL_CLASS being vLLM's list) and its ownership log.
+
+    ``latest`` is its latest move between classes (a :class:`_Unit`): every side unit of the
+    session older than it was moved with it, so those units are dead and their blocks live on in
+    ``latest``. ``units`` are its side units since then (the move first), in the order they
+    joined; their blocks are its free blocks in side classes (all in ``cls``). ``stray`` is
+    set when a free without a session put one of its blocks in vLLM's list while its class is
+    another (the next directive for the session moves such blocks)."""
+
+    __slots__ = ("name", "cls", "latest", "units", "log", "stray")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cls = NORMAL_CLASS
+        self.latest: _Unit | None = None
+        self.units: list[_Unit] = []
+        self.log: list[_Freed] = []
+        self.stray = False
+
+
 class _Freed:
     """One free under a session: its blocks, of which those whose owner entry is this record
     became the session's own in it (the others it already owned, or lost since)."""
 
     __slots__ = ("session", "blocks")
 
-    def __init__(self, session: str, blocks: list) -> None:
+    def __init__(self, session: _Session, blocks: list) -> None:
         self.session = session
         self.blocks = blocks
 
 
-class _Class:
-    """The free blocks of one hashed eviction class, LRU first. ``q`` may hold stale entries
-    (see :class:`ClassedFreeQueue`); ``t`` holds each entry's join ticket; ``live`` counts the
-    entries that are not stale."""
+class _Unit:
+    """Blocks of one session that joined a side class's tail together, under one ticket.
 
-    __slots__ = ("cls", "q", "t", "live")
+    Either the blocks one free filed there (or a directive moved there from vLLM's list), or a
+    directive's move of the session's blocks from another side class, resolved lazily: a move's
+    ``blocks`` are None until needed, and are then the blocks of its ``sources`` (the session's
+    units it superseded, in the order they joined) that are in it, which is the order they
+    became the session's own unless a source is ``mixed`` (it holds blocks the session owned
+    before it, re-freed): then the move is resolved from the session's ownership log (the
+    move is ``mixed`` until then). A block's unit is ``_pos[block_id]``, the unit it last
+    joined (None when it is not free in a side class); it is *in* that unit until a move of its
+    session supersedes the unit, and from then in the move. ``live`` counts the blocks in the
+    unit; ``index`` is how far pops have consumed ``blocks``."""
+
+    __slots__ = ("session", "side", "ticket", "blocks", "live", "index", "bound", "sources",
+                 "mixed")
+
+    def __init__(self, session: _Session, side: "_Class | None", ticket: int,
+                 blocks: list | None, live: int, mixed: bool = False) -> None:
+        self.session = session
+        self.side = side
+        self.ticket = ticket
+        self.blocks = blocks
+        self.live = live
+        self.index = 0
+        # an entry of ``blocks`` is valid while its block's latest join has a ticket no later
+        # than this: the block joined no unit since the entry was made
+        self.bound = ticket
+        self.sources: list[_Unit] = []
+        self.mixed = mixed
+
+    def dead(self) -> bool:
+        latest = self.session.latest
+        return not self.live or (latest is not None and latest.ticket > self.ticket)
+
+
+class _Class:
+    """The free blocks of one hashed eviction class: its units, LRU first. ``q`` may hold dead
+    units (emptied, or superseded by a move), skipped at the head and dropped by compaction;
+    ``live`` counts the free blocks in the class."""
+
+    __slots__ = ("cls", "q", "live")
 
     def __init__(self, cls: int) -> None:
         self.cls = cls
         self.q: deque = deque()
-        self.t: deque = deque()
         self.live = 0
 
-    def join(self, blocks: list, where: list, tickets: list, ticket: int) -> None:
-        """The blocks join the class's tail together, under one ticket."""
-        for block in blocks:
-            block_id = block.block_id
-            where[block_id] = self
-            tickets[block_id] = ticket
-        self.q.extend(blocks)
-        self.t.extend(repeat(ticket, len(blocks)))
-        self.live += len(blocks)
-
-    def compact_if_stale(self, where: list, tickets: list) -> None:
-        """Drop the stale entries once they outnumber the live ones (by COMPACT_SLACK)."""
+    def compact_if_stale(self) -> None:
+        """Drop the dead units once they outnumber the live blocks (by COMPACT_SLACK)."""
         if len(self.q) > 2 * self.live + COMPACT_SLACK:
-            live = self.entries(where, tickets)
-            self.q = deque(block for block, _ in live)
-            self.t = deque(ticket for _, ticket in live)
-
-    def entries(self, where: list, tickets: list) -> list:
-        """The live entries, LRU first: an entry is live while its block's latest join is it."""
-        return [(block, ticket) for block, ticket in zip(self.q, self.t)
-                if where[block.block_id] is self and tickets[block.block_id] == ticket]
-
-    def blocks(self, where: list, tickets: list) -> list:
-        return [block for block, _ in self.entries(where, tickets)]
+            self.q = deque(unit for unit in self.q if not unit.dead())
 
 
 # vLLM's own free queue methods, called on a ClassedFreeQueue (a subclass) for the blocks that
@@ -134,29 +171,27 @@ class ClassedFreeQueue(_FreeQueue):
     (normal, the rest of the list, LRU), which with no directives is every free block; vLLM's
     methods run on it unchanged. Only the other classes live on the side:
 
-    * A side class is a :class:`_Class` around a ``deque`` whose entries may be *stale*: a block
-      taken out of the middle (a prefix hit's ``touch``, a directive's re-class) stays in place
-      and is skipped when it reaches the head. Blocks join a side class under a *ticket* (one
-      per join, increasing); ``_where[block_id]`` / ``_tickets[block_id]`` are the side class
-      and ticket of a block's live entry, and ``_where`` is cleared when the block leaves it, so
-      an entry is live exactly when both match. Taking a block out is one store, with no
-      per-block count of stale copies. A class is compacted when its stale entries outnumber
-      the live ones.
+    * A side class is a :class:`_Class`, a queue of :class:`_Unit`: the blocks one free filed
+      there, or one directive's move of a session's blocks there. A directive costs O(1) for the
+      blocks already in side classes: it appends one move unit and supersedes the session's
+      older units; which blocks the move holds, in which order, is worked out when it reaches
+      the head of its class (``_expand``). Only blocks in vLLM's list are moved block by block
+      (they must leave the list): a session's first move off the normal class, a move back to
+      it, and blocks a free without a session put there.
     * A free block is in the linked list exactly when its ``prev_free_block`` is set (vLLM clears
       it on every block it unlinks; side blocks never get one).
-    * ``_front`` holds the ids of the list's class -1 blocks: the pool's initial free blocks and
-      those vLLM frees without a hash (``prepend_n``). Blocks join the list only at its head
-      (``prepend_n``) or its tail (``append_n``), so these are always its first ``len(_front)``
-      blocks. Hand-out order is: those, side classes below 50, the rest of the list, side
-      classes above 50.
+    * ``_front`` counts the list's class -1 blocks: the pool's initial free blocks and those vLLM
+      frees without a hash (``prepend_n``). Blocks join the list only at its head (``prepend_n``)
+      or its tail (``append_n``), so these are always its first ``_front`` blocks. Hand-out
+      order is: those, side classes below 50, the rest of the list, side classes above 50.
     * Ownership (architecture.md §5.4, ``sim/block_pool.py``): a cached block belongs to the session
       whose free last brought it to ref count 0, is forgotten when the block is handed out
       again, and a directive re-classes a session's free blocks in the order they became its
       own. Rather than a per-session index updated per block, each free under a session appends
       one :class:`_Freed` record to that session's log, and ``_owner[block_id]`` points at the
       record the block became the session's own in; a log entry whose owner entry points
-      elsewhere is dead. Only directives read the logs (and prune them); the logs are swept of
-      dead records as they grow.
+      elsewhere is dead. Only directives and moves read the logs (and prune them); the logs are
+      swept of dead records as they grow.
 
     ``num_free_blocks`` counts every free block; vLLM's methods keep it for the list's share and
     the side classes for theirs (``_side_live``).
@@ -168,17 +203,16 @@ class ClassedFreeQueue(_FreeQueue):
         self._r = retention
         self._inbox_empty = retention.inbox.empty
         self._expiries = retention._expiries          # the same list, only ever mutated
-        self._session_class = retention._session_class  # the same dict, only ever mutated
-        self._front: set[int] = {b.block_id for b in blocks}
+        self._front = len(blocks)
         self._classes: dict[int, _Class] = {}
         self._normal = _Class(NORMAL_CLASS)           # stands for the list in ``_order``
         self._order: list[_Class] = [self._normal]    # evicted-first first
         self._side_live = 0                           # free blocks in side classes
-        self._where: list[_Class | None] = [None] * num_blocks
-        self._tickets: list[int] = [0] * num_blocks
+        self._pos: list[_Unit | None] = [None] * num_blocks
         self._next_ticket = 1
         self._owner: list[_Freed | None] = [None] * num_blocks
-        self._logs: dict[str, list[_Freed]] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._off_normal = 0           # sessions whose class is not the normal one
         self._records = 0              # records in all logs
         self._sweep_at = SWEEP_MIN     # sweep the logs when they hold this many
 
@@ -190,6 +224,17 @@ class ClassedFreeQueue(_FreeQueue):
             self._order.append(c)
             self._order.sort(key=lambda k: k.cls)
         return c
+
+    def _session(self, name: str) -> _Session:
+        s = self._sessions.get(name)
+        if s is None:
+            s = self._sessions[name] = _Session(name)
+        return s
+
+    def _ticket(self) -> int:
+        ticket = self._next_ticket
+        self._next_ticket = ticket + 1
+        return ticket
 
     # -- FreeKVCacheBlockQueue interface --
 
@@ -204,31 +249,54 @@ class ClassedFreeQueue(_FreeQueue):
             raise ValueError(f"cannot pop {n} blocks, {self.num_free_blocks} free")
         if n <= 0:
             return []
-        if self._side_live or self._expiries:
-            return self._popleft_classed(n)
-        # no side class in play: vLLM's own order
-        taken = _vllm_popleft_n(self, n)
-        front = self._front
-        if front:
-            for block in taken[:len(front)]:
-                front.discard(block.block_id)
-        if self._logs:
-            owner = self._owner
-            for block in taken:
+        owner = self._owner
+        expiries = self._expiries
+        if not self._side_live and not expiries:
+            # no side class in play: vLLM's own order
+            front = self._front
+            if front:
+                self._front = front - n if front > n else 0
+            # vLLM's popleft_n (kv_cache_utils.FreeKVCacheBlockQueue), inline and with each
+            # block's owner forgotten in the same loop: every allocation's path
+            self.num_free_blocks -= n
+            head = self.fake_free_list_head
+            block = head.next_free_block
+            if n == 1:
+                following = block.next_free_block
+                block.prev_free_block = None
+                block.next_free_block = None
+                if following is not None:
+                    head.next_free_block = following
+                    following.prev_free_block = head
                 owner[block.block_id] = None
-        return taken
-
-    def _popleft_classed(self, n: int) -> list:
-        # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
-        if self._expiries:
-            self._r.expire(self._r.clock())
-        front = self._front
-        taken: list = []
-        if front:
-            k = min(n, len(front))
-            for block in _vllm_popleft_n(self, k):
-                front.discard(block.block_id)
+                return [block]
+            taken = []
+            for _ in range(n):
                 taken.append(block)
+                popped = block
+                block = block.next_free_block
+                popped.prev_free_block = None
+                popped.next_free_block = None
+                owner[popped.block_id] = None
+            if block is not None:
+                head.next_free_block = block
+                block.prev_free_block = head
+            return taken
+        # Classed: the front, side classes below normal, the rest of the list, side classes
+        # above. Inline (no helper frames): while a class below normal holds blocks, this is
+        # every allocation's path.
+        if expiries:
+            # expiry is lazy, as in sim/block_pool.py: only when blocks are really handed out
+            r = self._r
+            now = r.clock()
+            if expiries[0][0] <= now:
+                r.expire(now)
+        taken = []
+        front = self._front
+        if front:
+            k = min(n, front)
+            taken += self._popleft_listed(k)
+            self._front = front - k
             n -= k
         for c in self._order:
             if not n:
@@ -236,7 +304,7 @@ class ClassedFreeQueue(_FreeQueue):
             if c is self._normal:
                 k = min(n, self.num_free_blocks - self._side_live)
                 if k:
-                    taken += _vllm_popleft_n(self, k)
+                    taken += self._popleft_listed(k)
                     n -= k
                 continue
             k = c.live
@@ -248,42 +316,124 @@ class ClassedFreeQueue(_FreeQueue):
             self._side_live -= k
             self.num_free_blocks -= k
             n -= k
-            popleft = c.q.popleft
-            popticket = c.t.popleft
-            where = self._where
-            tickets = self._tickets
+            # k blocks from the head of side class c (it holds at least that many)
+            q = c.q
+            pos = self._pos
             while k:
-                block = popleft()
-                ticket = popticket()
-                block_id = block.block_id
-                if where[block_id] is not c or tickets[block_id] != ticket:
-                    continue        # a stale entry
-                where[block_id] = None
-                taken.append(block)
-                k -= 1
+                unit = q[0]
+                latest = unit.session.latest
+                if not unit.live or (latest is not None and latest.ticket > unit.ticket):
+                    q.popleft()         # dead: emptied, or superseded by a move
+                    continue
+                blocks = unit.blocks
+                if blocks is None:
+                    blocks = self._expand(unit)
+                bound = unit.bound
+                i = unit.index
+                end = len(blocks)
+                got = 0
+                while got < k and i < end:
+                    block = blocks[i]
+                    i += 1
+                    block_id = block.block_id
+                    joined = pos[block_id]
+                    if joined is not None and joined.ticket <= bound:
+                        pos[block_id] = None
+                        owner[block_id] = None          # handed out: forgotten
+                        taken.append(block)
+                        got += 1
+                unit.index = i
+                unit.live -= got
+                k -= got
+                if not unit.live or i == end:
+                    q.popleft()
+        return taken
+
+    def _popleft_listed(self, k: int) -> list:
+        """``k`` blocks from the head of vLLM's list, their owners forgotten."""
+        taken = _vllm_popleft_n(self, k)
         owner = self._owner
         for block in taken:
             owner[block.block_id] = None
         return taken
 
+    def _expand(self, move: _Unit) -> list:
+        """A move's blocks, worked out once (when it reaches the head of its class, or is
+        listed). Entries of blocks that left it stay, and are skipped."""
+        sources = move.sources
+        if move.mixed:
+            # ownership order is not join order: from the session's log
+            blocks = self._by_log(move.session, move.ticket)
+        elif len(sources) == 1:
+            # one source (the usual case): its entries as they are, valid as they were there
+            blocks = sources[0].blocks
+            move.index = sources[0].index
+            move.bound = sources[0].bound
+        else:
+            pos = self._pos
+            blocks = []
+            for unit in sources:
+                bound = unit.bound
+                blocks += [block for block in unit.blocks[unit.index:]
+                           if (joined := pos[block.block_id]) is not None
+                           and joined.ticket <= bound]
+        move.blocks = blocks
+        move.sources = []
+        move.mixed = False
+        return blocks
+
+    def _by_log(self, s: _Session, ticket: int) -> list:
+        """The session's free blocks in side classes whose latest join is no later than
+        ``ticket``, in the order they became its own; prunes its log on the way."""
+        pos = self._pos
+        owner = self._owner
+        kept = []
+        blocks = []
+        for record in s.log:
+            mine = [block for block in record.blocks if owner[block.block_id] is record]
+            if mine:
+                record.blocks = mine
+                kept.append(record)
+                blocks += [block for block in mine
+                           if (joined := pos[block.block_id]) is not None
+                           and joined.ticket <= ticket and block._block_hash is not None]
+        self._records -= len(s.log) - len(kept)
+        s.log = kept
+        return blocks
+
+    def _unit_of(self, block_id: int) -> _Unit:
+        """The unit a free block in a side class is in."""
+        unit = self._pos[block_id]
+        latest = unit.session.latest
+        return latest if latest is not None and latest.ticket > unit.ticket else unit
+
     def remove(self, block: Any) -> None:
         if block.prev_free_block is not None:       # in vLLM's list
-            if self._front:
-                self._front.discard(block.block_id)
+            if self._front and block._block_hash is None:
+                self._leave_front(block)
             _vllm_remove(self, block)
             return
         if block.ref_cnt != 0:
             raise RuntimeError(f"remove() called on a block that is not free: {block.block_id}")
-        self._take_out(block.block_id)
-
-    def _take_out(self, block_id: int) -> None:
-        """The block leaves its side class: its entry stays there, stale."""
-        c = self._where[block_id]
-        self._where[block_id] = None
+        unit = self._unit_of(block.block_id)
+        self._pos[block.block_id] = None
+        unit.live -= 1
+        c = unit.side
         c.live -= 1
         self._side_live -= 1
         self.num_free_blocks -= 1
-        c.compact_if_stale(self._where, self._tickets)
+        c.compact_if_stale()
+
+    def _leave_front(self, block: Any) -> None:
+        """``block`` (without a hash, in the list) leaves it: if it is one of the front blocks,
+        the front has one fewer. Blocks leave from the middle only on a prefix hit, which needs
+        a hash, so this walk does not happen in practice."""
+        walk = self.fake_free_list_head.next_free_block
+        for _ in range(self._front):
+            if walk is block:
+                self._front -= 1
+                return
+            walk = walk.next_free_block
 
     def append(self, block: Any) -> None:
         self.append_n([block])
@@ -291,49 +441,100 @@ class ClassedFreeQueue(_FreeQueue):
     def append_n(self, blocks: list) -> None:
         if not blocks:
             return
-        session = self._r.free_session
-        if session is None:
+        name = self._r.free_session
+        owner = self._owner
+        if name is None:
+            if self._off_normal:
+                # a session's block lands in the list while its class is another one: the
+                # session's next directive moves it
+                for block in blocks:
+                    record = owner[block.block_id]
+                    if record is not None and record.session.cls != NORMAL_CLASS:
+                        record.session.stray = True
             _vllm_append_n(self, blocks)
             return
-        entry = self._session_class.get(session) if self._session_class else None
-        if entry is None or entry[0] == NORMAL_CLASS:
-            _vllm_append_n(self, blocks)
-        else:
-            self._class(entry[0]).join(blocks, self._where, self._tickets, self._next_ticket)
-            self._next_ticket += 1
-            self._side_live += len(blocks)
-            self.num_free_blocks += len(blocks)
-        owner = self._owner
+        s = self._sessions.get(name)
+        if s is None:
+            s = self._sessions[name] = _Session(name)
+        # kept, not copied: vLLM's callers (free_blocks, unpin_blocks) pass a list of their own
+        # that they drop afterwards
         # logged even if it ends up owning nothing (a sweep drops it): cheaper than checking
-        record = _Freed(session, list(blocks))
-        for block in blocks:
-            block_id = block.block_id
-            previous = owner[block_id]
-            if previous is None or previous.session != session:
-                owner[block_id] = record
-        log = self._logs.get(session)
-        if log is None:
-            self._logs[session] = [record]
+        record = _Freed(s, blocks)
+        s.log.append(record)
+        if s.cls == NORMAL_CLASS:
+            # vLLM's append_n (kv_cache_utils.FreeKVCacheBlockQueue) and the ownership in one
+            # loop: this is every request's free
+            tail = self.fake_free_list_tail
+            last = tail.prev_free_block
+            for block in blocks:
+                block_id = block.block_id
+                previous = owner[block_id]
+                if previous is None or previous.session is not s:
+                    owner[block_id] = record
+                block.prev_free_block = last
+                last.next_free_block = block
+                last = block
+            last.next_free_block = tail
+            tail.prev_free_block = last
+            self.num_free_blocks += len(blocks)
         else:
-            log.append(record)
+            mixed = False
+            for block in blocks:
+                block_id = block.block_id
+                previous = owner[block_id]
+                if previous is None or previous.session is not s:
+                    owner[block_id] = record
+                else:
+                    mixed = True    # the session's already: its place in ownership order stays
+            self._file(s, blocks, mixed)
         self._records += 1
         if self._records >= self._sweep_at:
             self._sweep()
 
+    def _file(self, s: _Session, blocks: list, mixed: bool) -> None:
+        """The blocks (free, not in the list) join the tail of the session's side class
+        together, as one unit; ``mixed``: not in the order they became the session's own,
+        relative to its other units."""
+        c = self._class(s.cls)
+        unit = _Unit(s, c, self._ticket(), blocks, len(blocks), mixed)
+        pos = self._pos
+        for block in blocks:
+            pos[block.block_id] = unit
+        c.q.append(unit)
+        s.units.append(unit)
+        c.live += len(blocks)
+        self._side_live += len(blocks)
+        self.num_free_blocks += len(blocks)
+
     def prepend_n(self, blocks: list) -> None:
         if not blocks:
             return
-        front = self._front
-        for block in blocks:
-            front.add(block.block_id)
+        self._front += len(blocks)
         _vllm_prepend_n(self, blocks)
 
     def get_all_free_blocks(self) -> list:
         listed = _vllm_all_free(self)
-        out = listed[:len(self._front)]
+        out = listed[:self._front]
         for c in self._order:
-            out.extend(listed[len(self._front):] if c is self._normal
-                       else c.blocks(self._where, self._tickets))
+            if c is self._normal:
+                out.extend(listed[self._front:])
+                continue
+            out.extend(self._members(c))
+        return out
+
+    def _members(self, c: _Class) -> list:
+        """The free blocks of side class ``c``, in hand-out order."""
+        pos = self._pos
+        out = []
+        for unit in c.q:
+            if unit.dead():
+                continue
+            blocks = unit.blocks if unit.blocks is not None else self._expand(unit)
+            bound = unit.bound
+            for block in blocks[unit.index:]:
+                joined = pos[block.block_id]
+                if joined is not None and joined.ticket <= bound:
+                    out.append(block)
         return out
 
     def iter_blocks_after(self, block: Any | None):
@@ -363,71 +564,136 @@ class ClassedFreeQueue(_FreeQueue):
 
     def _sweep(self) -> None:
         records = 0
-        for session in list(self._logs):
-            kept = self._prune(self._logs[session])
-            if kept:
-                self._logs[session] = kept
-                records += len(kept)
-            else:
-                del self._logs[session]
+        for name, s in list(self._sessions.items()):
+            s.log = self._prune(s.log)
+            records += len(s.log)
+            if not s.log and s.cls == NORMAL_CLASS:
+                del self._sessions[name]
         self._records = records
         self._sweep_at = max(SWEEP_MIN, 2 * records)
 
-    def owned(self, session: str) -> list:
-        """The session's blocks, in the order they became its own."""
-        log = self._logs.get(session)
-        if not log:
+    def _owned(self, s: _Session) -> list:
+        """The session's blocks, in the order they became its own (prunes its log)."""
+        if not s.log:
             return []
-        kept = self._prune(log)
-        self._records -= len(log) - len(kept)
-        if kept:
-            self._logs[session] = kept
-        else:
-            del self._logs[session]
+        kept = self._prune(s.log)
+        self._records -= len(s.log) - len(kept)
+        s.log = kept
         return [b for record in kept for b in record.blocks]
 
-    def reclass_session(self, session: str, cls: int) -> None:
-        """Move the session's free cached blocks to ``cls``, in the order they became its own.
+    def owned(self, session: str) -> list:
+        """The session's blocks, in the order they became its own."""
+        s = self._sessions.get(session)
+        return [] if s is None else self._owned(s)
 
-        Runs twice per retained request (the retain, then its expiry) over every block the
-        session owns, so the per-block steps of ``_take_out`` / ``_Class.take_out`` are inlined
-        here and the counters and compaction settled once per class at the end."""
-        where = self._where
-        front = self._front
-        target = None if cls == NORMAL_CLASS else self._class(cls)
-        moved = []              # in ownership order, to the target's tail together
-        left: set = set()       # side classes blocks were taken out of
-        for block in self.owned(session):
-            if block.ref_cnt != 0 or block._block_hash is None:
+    def reclass_session(self, session: str, cls: int) -> None:
+        """Move the session's free cached blocks to ``cls`` (to its tail, in the order they
+        became the session's own; blocks already in ``cls`` stay where they are).
+
+        Blocks in side classes move lazily: one move unit, resolved when it reaches the head of
+        its class. Blocks in vLLM's list (the session's, when it leaves the normal class, or
+        strays) are unlinked here, and a move back to the normal class appends the session's
+        blocks to the list here: the list's order is vLLM's, with no units."""
+        s = self._session(session)
+        old = s.cls
+        s.cls = cls
+        if (old == NORMAL_CLASS) != (cls == NORMAL_CLASS):
+            self._off_normal += 1 if old == NORMAL_CLASS else -1
+        if cls == NORMAL_CLASS:
+            s.stray = False
+            if old != NORMAL_CLASS:
+                self._back_to_list(s, self._classes[old])
+            return
+        listed = []
+        if old == NORMAL_CLASS or s.stray:
+            s.stray = False
+            for block in self._owned(s):
+                if (block.prev_free_block is not None and block.ref_cnt == 0
+                        and block._block_hash is not None):
+                    _vllm_remove(self, block)
+                    listed.append(block)
+        target = self._class(cls)
+        if cls == old:
+            if listed:
+                # only the strays move; they go behind the session's other blocks in the class,
+                # whatever their place in ownership order
+                self._file(s, listed, mixed=True)
+            return
+        # The session's blocks in side classes are those of its units since its latest move;
+        # the move takes them from the units that hold any, a move not worked out yet standing
+        # for its own sources (a chain of moves is resolved once, from where blocks joined).
+        side_free = 0
+        sources: list = []
+        mixed = False
+        for unit in s.units:
+            if not unit.live:
                 continue
-            block_id = block.block_id
-            if block.prev_free_block is not None:     # in the list: unhashed or normal
-                if target is None and block_id not in front:
-                    continue
-                front.discard(block_id)
-                _vllm_remove(self, block)
+            side_free += unit.live
+            if unit.blocks is None and not unit.mixed:
+                sources += unit.sources
             else:
-                source = where[block_id]
-                if source is target:
-                    continue
-                # leaves its side class; the entry stays there, stale
-                where[block_id] = None
-                source.live -= 1
-                self._side_live -= 1
-                self.num_free_blocks -= 1
-                left.add(source)
-            moved.append(block)
-        for source in left:
-            source.compact_if_stale(where, self._tickets)
-        if not moved:
-            return
-        if target is None:
-            _vllm_append_n(self, moved)
-            return
-        target.join(moved, where, self._tickets, self._next_ticket)
-        self._next_ticket += 1
-        self._side_live += len(moved)
-        self.num_free_blocks += len(moved)
+                sources.append(unit)
+                mixed = mixed or unit.mixed
+        if old != NORMAL_CLASS:
+            source = self._classes[old]
+            source.live -= side_free
+            target.live += side_free
+        if listed:
+            # the blocks taken from the list, as one unit of the move's sources
+            taken = _Unit(s, target, self._ticket(), listed, len(listed))
+            pos = self._pos
+            for block in listed:
+                pos[block.block_id] = taken
+            sources.append(taken)
+        move = _Unit(s, target, self._ticket(), None, 0)
+        move.sources = sources
+        # blocks from the list interleave with the others in ownership order: by the log
+        move.mixed = mixed or bool(listed and side_free)
+        move.live = side_free + len(listed)
+        if listed:
+            target.live += len(listed)
+            self._side_live += len(listed)
+            self.num_free_blocks += len(listed)
+        s.latest = move
+        s.units = [move]
+        if move.live:
+            target.q.append(move)
+        if old != NORMAL_CLASS:
+            source.compact_if_stale()
+
+    def prefix_cache_reset(self) -> None:
+        """vLLM's ``reset_prefix_cache`` took every free block's hash. Directives move cached
+        blocks only, so the blocks in side classes stay where they are from now on: each class's
+        blocks become one unit that follows no session."""
+        nobody = _Session("")
+        pos = self._pos
+        for c in self._classes.values():
+            blocks = self._members(c)
+            c.q = deque()
+            if blocks:
+                unit = _Unit(nobody, c, self._ticket(), blocks, len(blocks))
+                for block in blocks:
+                    pos[block.block_id] = unit
+                c.q.append(unit)
+        for s in self._sessions.values():
+            s.units = []
+
+    def _back_to_list(self, s: _Session, source: _Class) -> None:
+        """The session's blocks in side classes (all in ``source``) go to the list's tail."""
+        pos = self._pos
+        # cached blocks only, as every move: after a prefix-cache reset its blocks stay put
+        moved = [block for block in self._owned(s)
+                 if pos[block.block_id] is not None and block._block_hash is not None]
+        for block in moved:
+            pos[block.block_id] = None
+        # supersedes every unit of the session: they are all empty now
+        s.latest = _Unit(s, None, self._ticket(), None, 0)
+        s.units = []
+        source.live -= len(moved)
+        self._side_live -= len(moved)
+        self.num_free_blocks -= len(moved)
+        _vllm_append_n(self, moved)
+        source.compact_if_stale()
 
 
 class Retention:
@@ -451,11 +717,11 @@ class Retention:
     # scheduler thread
     def drain(self) -> int:
         n = 0
-        while True:
-            try:
-                action, session_id, priority, ttl_s, at = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+        inbox = self.inbox
+        # the scheduler's thread is the only consumer: not empty means the get succeeds (and
+        # no queue.Empty is raised to end every drain)
+        while not inbox.empty():
+            action, session_id, priority, ttl_s, at = inbox.get_nowait()
             try:
                 if not isinstance(session_id, str) or not session_id:
                     raise ValueError("session_id must be a non-empty string")
@@ -611,8 +877,20 @@ def _wrap_manager_free(orig):
     return free
 
 
+def _wrap_reset(orig):
+    @functools.wraps(orig)
+    def reset_prefix_cache(self):
+        ok = orig(self)
+        r = getattr(self, _ATTR, None)
+        if ok and r is not None and r.queue is not None:
+            r.queue.prefix_cache_reset()
+        return ok
+    return reset_prefix_cache
+
+
 _PATCHES = MethodPatches([
     (BlockPool, "__init__", then(install)),
+    (BlockPool, "reset_prefix_cache", _wrap_reset),
     (_kcm.KVCacheManager, "free", _wrap_manager_free),
 ])
 

@@ -71,6 +71,56 @@ def generate_retention(seed: int) -> dict:
     return {"id": f"seed{seed}", "num_blocks": num_blocks, "block_size": bs, "ops": ops}
 
 
+def generate_lazy(seed: int) -> dict:
+    """Sequences that lean on the free queue's lazy re-classing: sessions that extend their own
+    previous request (blocks re-freed by the session that owns them), several directives per
+    session that override one another (retains at new priorities, refreshes at the same one,
+    demotes, releases) with TTLs that run out between allocations, and frees without a session
+    of blocks a session owns."""
+    rng = random.Random(5000 + seed)
+    bs = 2
+    num_blocks = rng.randint(24, 40)
+    sessions = [f"s{k}" for k in range(3)]
+    last_tokens = {s: [rng.randrange(40) for _ in range(2 * bs)] for s in sessions}
+    live: list[str] = []
+    ops: list[dict] = []
+    rid = 0
+    while len(ops) < OPS:
+        r = rng.random()
+        if len(live) >= 3:
+            r = 0.45
+        if r < 0.35:
+            session = rng.choice(sessions)
+            # the session's next call: its previous context plus a little more
+            more = [rng.randrange(40) for _ in range(rng.randint(1, 3 * bs))]
+            tokens = last_tokens[session] + more
+            tokens = tokens[-(num_blocks // 3) * bs:]
+            last_tokens[session] = tokens
+            ops.append({"op": "arrive", "rid": f"r{rid}", "tokens": tokens, "session": session,
+                        "continuation": f"c{rid}"})
+            live.append(f"r{rid}")
+            rid += 1
+        elif r < 0.55:
+            if live:
+                ops.append({"op": "free", "rid": live.pop(rng.randrange(len(live))),
+                            "anonymous": rng.random() < 0.2})
+        elif r < 0.8:
+            ops.append({"op": "retain", "session": rng.choice(sessions),
+                        "priority": rng.choice([30, 60, 60, 90]),
+                        "ttl": rng.choice([0.5, 1.0, 3.0])})
+        elif r < 0.87:
+            ops.append({"op": "demote", "session": rng.choice(sessions)})
+        elif r < 0.92:
+            ops.append({"op": "release", "session": rng.choice(sessions)})
+        elif r < 0.94 and not live:
+            # every block free: the reset takes every hash, and directives move cached blocks
+            # only, so the side classes' blocks stay where they are
+            ops.append({"op": "reset"})
+        else:
+            ops.append({"op": "tick", "dt": rng.choice([0.5, 1.0, 2.0])})
+    return {"id": f"lazy{seed}", "num_blocks": num_blocks, "block_size": bs, "ops": ops}
+
+
 # -- running vLLM -------------------------------------------------------------------------------
 
 
@@ -81,7 +131,9 @@ def driver_out(tmp_path_factory) -> dict:
     inp, out = tmp / "in.json", tmp / "out.json"
     sequences = [generate_retention(s) for s in SEEDS]
     compacting = [{**seq, "id": f"{seq['id']}-compacting", "compacting": True} for seq in sequences]
-    inp.write_text(json.dumps({"retention": sequences + compacting}))
+    lazy = [generate_lazy(s) for s in SEEDS]
+    lazy_compacting = [{**seq, "id": f"{seq['id']}-compacting", "compacting": True} for seq in lazy]
+    inp.write_text(json.dumps({"retention": sequences + compacting + lazy + lazy_compacting}))
     proc = subprocess.run([str(python), str(DRIVER), str(inp), "-o", str(out)], cwd=ROOT,
                           env=vllm_env(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1"),
                           capture_output=True, text=True, timeout=600)
@@ -211,6 +263,27 @@ def test_retention_and_removal_attribution_match_sim(driver_out, seed, compactin
     at their most frequent, which must not change a thing."""
     seq = generate_retention(seed)
     run_id = f"seed{seed}-compacting" if compacting else f"seed{seed}"
+    retained, attributed = _replay_on_sim(seq, driver_out, run_id)
+    assert retained > 0 and attributed > 0
+
+
+@pytest.mark.parametrize("compacting", [False, True], ids=["", "compacting"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lazy_reclassing_matches_eager_sim(driver_out, seed, compacting):
+    """The plugin re-classes a session's free blocks lazily; ``sim/block_pool.py`` moves them
+    eagerly, block by block. Directives that override and expire one another, sessions whose
+    calls re-free blocks they own, frees without a session and prefix-cache resets must leave
+    both with the same evictions and the same free-queue order after every op."""
+    seq = generate_lazy(seed)
+    run_id = f"lazy{seed}-compacting" if compacting else f"lazy{seed}"
+    retained, _ = _replay_on_sim(seq, driver_out, run_id)
+    assert retained > 0
+    assert any(op.get("anonymous") for op in seq["ops"])
+
+
+def _replay_on_sim(seq: dict, driver_out: dict, run_id: str) -> tuple[int, int]:
+    """Replay ``seq`` on the sim's pool and compare every op's result with the plugin's run
+    ``run_id``; the number of retains and of attributed removals."""
     [run] = [r for r in driver_out["retention"] if r["id"] == run_id]
     bs = seq["block_size"]
     sim = SimPool(seq["num_blocks"], bs, attribute_removals=True)
@@ -241,7 +314,8 @@ def test_retention_and_removal_attribution_match_sim(driver_out, seed, compactin
         elif kind == "free":
             if op["rid"] in live:
                 session, blocks = live.pop(op["rid"])
-                sim.free_blocks(reversed(blocks), session_id=session)
+                sim.free_blocks(reversed(blocks),
+                                session_id=None if op.get("anonymous") else session)
             else:
                 got["status"] = "noop"
         elif kind == "retain":
@@ -253,12 +327,14 @@ def test_retention_and_removal_attribution_match_sim(driver_out, seed, compactin
             sim.release(op["session"])
         elif kind == "tick":
             now += op["dt"]
+        elif kind == "reset":
+            got["reset"] = sim.reset_prefix_cache()
         got["removed"] = [[e.block_hashes[0], e.continuation_id, e.num_tokens]
                           for e in sim.take_events() if isinstance(e, BlockRemoved)]
         attributed += sum(1 for _, continuation, _ in got["removed"] if continuation is not None)
         got["free_queue"] = sim.free_queue_order()
-        assert got == want, f"seed {seed} op {i} {op}"
-    assert retained > 0 and attributed > 0
+        assert got == want, f"{run_id} op {i} {op}"
+    return retained, attributed
 
 
 # -- registration and directive robustness ------------------------------------------------------

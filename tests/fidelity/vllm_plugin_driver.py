@@ -292,7 +292,7 @@ def _run_retention(seq):
         elif kind == "free":
             if op["rid"] in live:
                 session, blocks = live.pop(op["rid"])
-                with retention.freeing(pool, session):
+                with retention.freeing(pool, None if op.get("anonymous") else session):
                     pool.free_blocks(reversed(blocks))
             else:
                 res["status"] = "noop"
@@ -304,6 +304,8 @@ def _run_retention(seq):
             r.drain()
         elif kind == "tick":
             now[0] += float(op["dt"])
+        elif kind == "reset":
+            res["reset"] = pool.reset_prefix_cache()
         else:
             raise ValueError(kind)
         res["removed"] = [[e.block_hashes[0], e.continuation_id, e.num_tokens]
