@@ -291,7 +291,7 @@ class ProgramAwareConfig(PolicyConfig):
         if self.host_tier_overcommit < self.pause_threshold:
             raise ValueError(
                 f"host_tier_overcommit ({self.host_tier_overcommit}) must be ≥ pause_threshold "
-                f"({self.pause_threshold}): it is the share a worker runs unpaused with a host tier"
+                f"({self.pause_threshold}): with a host tier a worker runs unpaused up to it"
             )
         if self.resume_hysteresis > self.pause_threshold:
             raise ValueError(

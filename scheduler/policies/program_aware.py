@@ -44,7 +44,9 @@ calls → resume → pause → soft band → retention.
   next call) and, with ``prefetch_predicted``, prefetched when its tool call is predicted to
   end (the median of recent tool calls longer than it has lasted so far). A paused program
   whose home still holds its KV (GPU or tier) resumes only there: elsewhere it would recompute
-  what the home loads back; ``max_wait_s`` still bounds its wait.
+  what the home loads back; ``max_wait_s`` still bounds its wait. A worker none of whose
+  programs is paused runs them all while their contexts add up to at most
+  ``host_tier_overcommit`` GPU pools (its threshold is that, not ``pause_threshold``).
 """
 
 from __future__ import annotations
