@@ -320,3 +320,23 @@ def test_a_worker_that_had_to_pause_keeps_the_pause_threshold_while_its_paused_p
     assert sessions(d.p.tick(2.0), Pause) == ["a", "b", "d"]
     # 600 active: a 400-token newcomer would fit under 1.2, but w0's paused programs still wait
     assert not isinstance(d.arrive("e", 400, 3.0), Admit)
+
+
+def _one_reasoning_one_acting(d: Driver) -> None:
+    """``a`` with a call in flight on w0, ``b`` in a tool call on w1 with a 600-token context."""
+    assert d.reasoning("a", 100).worker == "w0"
+    assert d.acting("b", 600) == "w1"
+
+
+def test_with_the_tier_a_worker_that_runs_all_takes_new_programs_by_fewest_calls_in_flight() -> None:
+    d = Driver(make({"w0": 1000, "w1": 1000}, **_tier(overcommit=2.0)))
+    _one_reasoning_one_acting(d)
+    decision = d.arrive("c", 50, 1.0)
+    assert isinstance(decision, Admit) and decision.worker == "w1"  # no call in flight there
+
+
+def test_without_the_tier_new_programs_go_by_prefix_credit_less_load() -> None:
+    d = Driver(make({"w0": 1000, "w1": 1000}))
+    _one_reasoning_one_acting(d)
+    decision = d.arrive("c", 50, 1.0)
+    assert isinstance(decision, Admit) and decision.worker == "w0"  # U 0.1 against 0.6
