@@ -196,7 +196,7 @@ def _replace_build(orig):
     # labelled struct built directly: same fields from the same sources, plus the label. Wrapping
     # it instead would build every event twice.
     # The continuation id is worked out here, once per caching call with events on, and left in
-    # ``_sluice_cid`` for the cache_full_blocks wrapper to label the blocks with.
+    # ``_sluice_cid`` for cache_full_blocks (replaced below) to label the blocks with.
     @functools.wraps(orig)
     def _build_block_stored_event(self, request, block_hashes, parent_block_hash,
                                   start_token_idx, end_token_idx, block_size,
