@@ -41,7 +41,9 @@ from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core import block_pool as _bp
-from vllm.v1.core.kv_cache_utils import (get_block_hash, get_group_id, maybe_convert_block_hash,
+from vllm.v1.core.kv_cache_utils import (generate_block_hash_extra_keys, get_block_hash,
+                                         get_group_id, make_block_hash_with_group_id,
+                                         maybe_convert_block_hash, resolve_block_hashes,
                                          to_event_extra_keys)
 
 logger = logging.getLogger("sluice.vllm_plugin.labels")
@@ -194,7 +196,7 @@ def _replace_build(orig):
     # labelled struct built directly: same fields from the same sources, plus the label. Wrapping
     # it instead would build every event twice.
     # The continuation id is worked out here, once per caching call with events on, and left in
-    # ``_sluice_cid`` for the cache_full_blocks wrapper to label the blocks with.
+    # ``_sluice_cid`` for cache_full_blocks (replaced below) to label the blocks with.
     @functools.wraps(orig)
     def _build_block_stored_event(self, request, block_hashes, parent_block_hash,
                                   start_token_idx, end_token_idx, block_size,
@@ -222,7 +224,11 @@ def _replace_build(orig):
     return _build_block_stored_event
 
 
-def _wrap_cache_full(orig):
+def _replace_cache_full(orig):
+    # vLLM 0.32 ``BlockPool.cache_full_blocks`` (vllm/v1/core/block_pool.py) with the labelling
+    # in the same frame: it runs once per caching call (every decode block), and a wrapper
+    # around it cost a frame each time. Same steps, same helpers, in the same order; with
+    # events off it is vLLM's own method.
     @functools.wraps(orig)
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                           kv_cache_group_id, block_mask=None):
@@ -233,10 +239,50 @@ def _wrap_cache_full(orig):
             return None          # vLLM caches nothing (most calls of an engine step)
         cache = self.cached_block_hash_to_block._cache
         before = len(cache)
-        orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
-             kv_cache_group_id, block_mask)
-        # the request's continuation id, as _build_block_stored_event (called once by the
-        # original with events on) found it
+        # -- vLLM's body, events on --
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        assert block_mask is None or len(block_mask) == len(new_full_blocks)
+        block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size,
+                                            block_size)
+        new_block_hashes = block_hashes[num_cached_blocks:]
+        new_hashes = []
+        for i, blk in enumerate(new_full_blocks):
+            if blk.is_null or (block_mask is not None and not block_mask[i]):
+                continue
+            block_hash = new_block_hashes[i]
+            num_hash_tokens = (num_cached_blocks + i + 1) * block_size
+            block_hash_with_group_id = make_block_hash_with_group_id(block_hash,
+                                                                     kv_cache_group_id)
+            if blk.block_hash is not None:
+                # partial -> full promotion of the same block (vLLM asserts it)
+                assert (blk.block_hash_num_tokens is not None
+                        and blk.block_hash_num_tokens < num_hash_tokens)
+                removed_hashes = self._remove_cached_block_hashes(blk)
+                self._emit_block_removed_events(removed_hashes)
+            self._insert_block_hash(block_hash_with_group_id, blk, num_tokens=num_hash_tokens)
+            new_hashes.append(maybe_convert_block_hash(block_hash))
+        if num_cached_blocks == 0:
+            parent_block_hash = None
+        else:
+            parent_block_hash = maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
+        extra_keys_list = []
+        curr_mm_idx = 0
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].is_null:
+                continue
+            if block_mask is not None and not block_mask[i - num_cached_blocks]:
+                continue
+            block_start = i * block_size
+            extra_keys, curr_mm_idx = generate_block_hash_extra_keys(
+                request, block_start, block_start + block_size, curr_mm_idx)
+            extra_keys_list.append(extra_keys)
+        self.kv_event_queue.append(self._build_block_stored_event(
+            request, block_hashes=new_hashes, parent_block_hash=parent_block_hash,
+            start_token_idx=num_cached_blocks * block_size,
+            end_token_idx=num_full_blocks * block_size, block_size=block_size,
+            kv_cache_group_id=kv_cache_group_id, extra_keys_list=extra_keys_list))
+        # -- the labels --
+        # the request's continuation id, as _build_block_stored_event just found it
         cid = self._sluice_cid
         # vLLM gave each block it cached here (all but null and masked-out ones) the range's
         # hash as its primary key; a block that had a partial hash lost it first (labelled
@@ -247,10 +293,10 @@ def _wrap_cache_full(orig):
             # one new hash-map key per block: no block held any of these hashes
             if added == 1:                  # a decode filled a block
                 cids[blocks[num_cached_blocks].block_id] = cid
-                return
+                return None
             for i in range(num_cached_blocks, num_full_blocks):
                 cids[blocks[i].block_id] = cid
-            return
+            return None
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
@@ -259,6 +305,7 @@ def _wrap_cache_full(orig):
             # a block already labelled held this very hash before the call
             if key is not None and cids[blk.block_id] is _UNTRACKED:
                 cids[blk.block_id] = _first_admitter(self, key, blk, cid)
+        return None
     return cache_full_blocks
 
 
@@ -404,7 +451,7 @@ def _wrap_reset(orig):
 
 _PATCHES = {
     "_build_block_stored_event": _replace_build,
-    "cache_full_blocks": _wrap_cache_full,
+    "cache_full_blocks": _replace_cache_full,
     "cache_partial_block": _wrap_cache_partial,
     "_maybe_evict_cached_block": _replace_evict,
     "_remove_cached_block_hashes": _wrap_remove_hashes,

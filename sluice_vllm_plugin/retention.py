@@ -291,6 +291,58 @@ class ClassedFreeQueue(_FreeQueue):
             now = r.clock()
             if expiries[0][0] <= now:
                 r.expire(now)
+        if n == 1 and not self._front:
+            # one block (every decode step allocates one): the general loop below for k = 1,
+            # without its bookkeeping for several blocks and classes
+            for c in self._order:
+                if c is self._normal:
+                    if self.num_free_blocks > self._side_live:
+                        # vLLM's popleft, inline, the owner forgotten
+                        head = self.fake_free_list_head
+                        block = head.next_free_block
+                        following = block.next_free_block
+                        block.prev_free_block = None
+                        block.next_free_block = None
+                        head.next_free_block = following
+                        following.prev_free_block = head
+                        owner[block.block_id] = None
+                        self.num_free_blocks -= 1
+                        return [block]
+                    continue
+                if not c.live:
+                    continue
+                q = c.q
+                pos = self._pos
+                while True:
+                    unit = q[0]
+                    latest = unit.session.latest
+                    if not unit.live or (latest is not None and latest.ticket > unit.ticket):
+                        q.popleft()         # dead: emptied, or superseded by a move
+                        continue
+                    blocks = unit.blocks
+                    if blocks is None:
+                        blocks = self._expand(unit)
+                    bound = unit.bound
+                    i = unit.index
+                    end = len(blocks)
+                    while i < end:
+                        block = blocks[i]
+                        i += 1
+                        block_id = block.block_id
+                        joined = pos[block_id]
+                        if joined is not None and joined.ticket <= bound:
+                            pos[block_id] = None
+                            owner[block_id] = None          # handed out: forgotten
+                            unit.index = i
+                            unit.live -= 1
+                            if not unit.live or i == end:
+                                q.popleft()
+                            c.live -= 1
+                            self._side_live -= 1
+                            self.num_free_blocks -= 1
+                            return [block]
+                    unit.index = i
+                    q.popleft()             # no block of the unit left in it
         taken = []
         front = self._front
         if front:
@@ -401,28 +453,39 @@ class ClassedFreeQueue(_FreeQueue):
         s.log = kept
         return blocks
 
-    def _unit_of(self, block_id: int) -> _Unit:
-        """The unit a free block in a side class is in."""
-        unit = self._pos[block_id]
-        latest = unit.session.latest
-        return latest if latest is not None and latest.ticket > unit.ticket else unit
-
     def remove(self, block: Any) -> None:
-        if block.prev_free_block is not None:       # in vLLM's list
+        # every prefix hit on a free block comes here: vLLM's unlink, _unit_of and the
+        # compaction check are inline
+        previous = block.prev_free_block
+        if previous is not None:       # in vLLM's list
             if self._front and block._block_hash is None:
                 self._leave_front(block)
-            _vllm_remove(self, block)
+            following = block.next_free_block
+            if following is None:
+                _vllm_remove(self, block)          # vLLM's error for a broken link
+                return
+            # vLLM's remove (kv_cache_utils.FreeKVCacheBlockQueue)
+            previous.next_free_block = following
+            following.prev_free_block = previous
+            block.prev_free_block = block.next_free_block = None
+            self.num_free_blocks -= 1
             return
         if block.ref_cnt != 0:
             raise RuntimeError(f"remove() called on a block that is not free: {block.block_id}")
-        unit = self._unit_of(block.block_id)
-        self._pos[block.block_id] = None
+        pos = self._pos
+        block_id = block.block_id
+        unit = pos[block_id]
+        latest = unit.session.latest
+        if latest is not None and latest.ticket > unit.ticket:
+            unit = latest                          # superseded by a move: the block is in it
+        pos[block_id] = None
         unit.live -= 1
         c = unit.side
         c.live -= 1
         self._side_live -= 1
         self.num_free_blocks -= 1
-        c.compact_if_stale()
+        if len(c.q) > 2 * c.live + COMPACT_SLACK:
+            c.compact_if_stale()
 
     def _leave_front(self, block: Any) -> None:
         """``block`` (without a hash, in the list) leaves it: if it is one of the front blocks,
