@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -185,7 +184,7 @@ def test_mooncake_hash_ids_may_cover_fewer_blocks_than_the_prompt(tmp_path):
     assert len(p.call_hashes(0, 512)) == 3000 // 512  # the rest are the call's own
 
 
-def test_mooncake_twelve_thousand_lines_load_quickly(tmp_path):
+def test_mooncake_twelve_thousand_interleaved_lines_load_as_three_thousand_conversations(tmp_path):
     rows = []
     for conv in range(3000):  # 3,000 conversations × 4 turns, interleaved in time
         base = 1 + conv * 100
@@ -196,11 +195,8 @@ def test_mooncake_twelve_thousand_lines_load_quickly(tmp_path):
                                                   (full + 1) * 512 + 100, 200, hashes)))
     rows.sort(key=lambda r: r[0])
     path = write_jsonl(tmp_path / "big.jsonl", [r for _, r in rows])
-    start = time.perf_counter()
-    programs, _ = load_mooncake(path)
-    elapsed = time.perf_counter() - start
+    programs, _ = load_mooncake(path)  # its speed: `make bench` (sim_mooncake_conversation_s)
     assert len(programs) == 3000 and all(len(p.calls) == 4 for p in programs)
-    assert elapsed < 3.0  # ~0.3 s on a laptop; generous for loaded CI machines
 
 
 # -- kv-cache-tester -----------------------------------------------------------------------
