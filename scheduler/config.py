@@ -223,7 +223,7 @@ class ProgramAwareConfig(PolicyConfig):
     # and paused ones included) add up to at most this many GPU pools pauses none of them
     # (what overflows the GPU waits in the tier); past it, and until every program it then
     # paused is back, ``pause_threshold`` rules as without a tier. A multiple of the GPU
-    # pool, not a share: the tier is several times the pool (llama3.1-8b-h100: 3.4×).
+    # pool, not a share: the tier is several times the pool (llama3.1-8b-h100: 3.8×).
     host_tier_overcommit: Annotated[float, Field(gt=0.0, le=10.0)] = 2.5
     retention: RetentionConfig = RetentionConfig()
 

@@ -70,6 +70,8 @@ BOUNDS: dict[str, str] = {
     # program_aware
     "_soft_band": WORKER,
     "_reserved": WORKER,
+    "_homed_tokens": WORKER,
+    "_paused_tokens": WORKER,
     "_retention_due": LIVE,
     "_retained_until": LIVE,
     "_wait_deadlines._heap": LIVE,
