@@ -273,12 +273,17 @@ class Policy(ABC):
     def healthy_workers(self) -> list[str]:
         return [load.name for load in self.ledger.workers() if load.healthy]
 
-    def snapshot(self, with_programs: bool = True) -> PolicySnapshot:
-        """A frozen picture of the policy for metrics and admin views (scheduler/snapshot.py)."""
+    def calls_in_flight(self) -> dict[str, int]:
+        """Worker -> calls admitted there and not yet finished (workers with none left out)."""
         in_flight: dict[str, int] = {}
         for call in self.calls.values():
             if call.worker is not None:
                 in_flight[call.worker] = in_flight.get(call.worker, 0) + 1
+        return in_flight
+
+    def snapshot(self, with_programs: bool = True) -> PolicySnapshot:
+        """A frozen picture of the policy for metrics and admin views (scheduler/snapshot.py)."""
+        in_flight = self.calls_in_flight()
         workers = []
         for load in self.ledger.workers():
             u = self.ledger.utilization(load.name)

@@ -585,7 +585,7 @@ class ProgramAwarePolicy(Policy):
                 home = parent.home_worker
                 if self._open_to(home, program) and self._fits(home, demand, self._threshold(home, demand)):
                     return home
-        in_flight = self._calls_in_flight() if self.config.retention.host_tier else {}
+        in_flight = self.calls_in_flight() if self.config.retention.host_tier else {}
         best, best_score = None, None
         for load in self.ledger.workers():
             if not load.accepts_programs or not self._open_to(load.name, program):
@@ -607,13 +607,6 @@ class ProgramAwarePolicy(Policy):
             if best_score is None or score > best_score:
                 best, best_score = load.name, score
         return best
-
-    def _calls_in_flight(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for call in self.calls.values():
-            if call.worker is not None:
-                counts[call.worker] = counts.get(call.worker, 0) + 1
-        return counts
 
     def prefix_credit(self, worker: str, call: Call) -> float:
         """The call's prompt tokens already resident on ``worker``, as a share of the
