@@ -292,8 +292,8 @@ class ClassedFreeQueue(_FreeQueue):
             if expiries[0][0] <= now:
                 r.expire(now)
         if n == 1 and not self._front:
-            # one block (every decode step allocates one): the general loop below for k = 1,
-            # without its bookkeeping for several blocks and classes
+            # one block from vLLM's list (every decode step allocates one) when no side class
+            # comes before it; a side class first: the general loop below
             for c in self._order:
                 if c is self._normal:
                     if self.num_free_blocks > self._side_live:
@@ -309,40 +309,8 @@ class ClassedFreeQueue(_FreeQueue):
                         self.num_free_blocks -= 1
                         return [block]
                     continue
-                if not c.live:
-                    continue
-                q = c.q
-                pos = self._pos
-                while True:
-                    unit = q[0]
-                    latest = unit.session.latest
-                    if not unit.live or (latest is not None and latest.ticket > unit.ticket):
-                        q.popleft()         # dead: emptied, or superseded by a move
-                        continue
-                    blocks = unit.blocks
-                    if blocks is None:
-                        blocks = self._expand(unit)
-                    bound = unit.bound
-                    i = unit.index
-                    end = len(blocks)
-                    while i < end:
-                        block = blocks[i]
-                        i += 1
-                        block_id = block.block_id
-                        joined = pos[block_id]
-                        if joined is not None and joined.ticket <= bound:
-                            pos[block_id] = None
-                            owner[block_id] = None          # handed out: forgotten
-                            unit.index = i
-                            unit.live -= 1
-                            if not unit.live or i == end:
-                                q.popleft()
-                            c.live -= 1
-                            self._side_live -= 1
-                            self.num_free_blocks -= 1
-                            return [block]
-                    unit.index = i
-                    q.popleft()             # no block of the unit left in it
+                if c.live:
+                    break
         taken = []
         front = self._front
         if front:
