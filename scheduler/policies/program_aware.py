@@ -46,7 +46,8 @@ calls → resume → pause → soft band → retention.
   whose home still holds its KV (GPU or tier) resumes only there: elsewhere it would recompute
   what the home loads back; ``max_wait_s`` still bounds its wait. A worker none of whose
   programs is paused runs them all while their contexts add up to at most
-  ``host_tier_overcommit`` GPU pools (its threshold is that, not ``pause_threshold``).
+  ``host_tier_overcommit`` GPU pools (its threshold is that, not ``pause_threshold``), and
+  takes new programs by fewest calls in flight.
 """
 
 from __future__ import annotations
