@@ -2,13 +2,18 @@
 
 It follows vLLM v1's scheduler where it matters for caching and throughput:
 - every iteration first serves running requests in order (a decode is one token; a
-  request mid-prefill gets the next chunk), then admits waiting ones in priority order
+  request mid-prefill gets the next chunk), then admits waiting ones in queue order
   while the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and free blocks
   allow; long prompts are prefilled in chunks (chunked prefill);
+- the queue order is vLLM's ``--scheduling-policy``: ``"priority"`` orders waiting requests
+  by ``(priority, arrival)`` and preempts the running request with the largest
+  ``(priority, arrival)``; ``"fcfs"`` (vLLM's default) ignores ``priority``: waiting requests
+  go by arrival at the engine and the last request admitted is preempted first
+  (``vllm/v1/core/sched/scheduler.py``, 0.32);
 - an admitted request reuses its longest cached prefix (capped one token short of the
   sequence, as vLLM does), touching those blocks, and allocates the rest;
-- when a running request needs a block and none is free, the lowest-priority running
-  request is preempted by recompute (its blocks freed, back to the waiting queue), and
+- when a running request needs a block and none is free, a running request (the policy's
+  victim, above) is preempted by recompute (its blocks freed, back to the waiting queue), and
   no waiting request is admitted in that iteration;
 - blocks become cached as soon as the tokens that fill them are scheduled;
 - a token is sampled when a request's computed tokens reach the end of its sequence;
@@ -122,10 +127,20 @@ class EngineStats:
     host_evicted_blocks: int = 0
 
 
+# vLLM's --scheduling-policy values (vllm/config/scheduler.py, 0.32).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Engine:
     def __init__(self, name: str, model: StepTimeModel, *, num_blocks: int | None = None,
                  block_size: int | None = None, report_reuse: bool = False,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, scheduling_policy: str = "priority") -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {scheduling_policy!r}")
+        # vLLM's --scheduling-policy: whether a request's priority orders the queue at all
+        self.scheduling_policy = scheduling_policy
+        self._by_priority = scheduling_policy == "priority"
         # The engine model is vLLM with the Sluice plugin: its removals carry attribution.
         self.name = name
         self.model = model
@@ -159,6 +174,17 @@ class Engine:
         self.loading: list[EngineRequest] = []
         self._loaded: list[EngineRequest] = []
 
+    def _queue_key(self, request: EngineRequest) -> float:
+        """What orders the waiting queue before arrival: the priority, under vLLM's priority
+        scheduling; nothing (arrival alone) under FCFS."""
+        return request.priority if self._by_priority else 0.0
+
+    def _victim(self) -> EngineRequest:
+        """The running request preempted when a block is needed and none is free."""
+        if self._by_priority:
+            return max(self.running, key=lambda r: (r.priority, r.order))
+        return self.running[-1]
+
     @property
     def capacity_tokens(self) -> int:
         return (self.pool.num_blocks - 1) * self.block_size
@@ -190,7 +216,7 @@ class Engine:
             )
         self._order += 1
         request.order = self._order
-        heapq.heappush(self.waiting, (request.priority, request.order, request))
+        heapq.heappush(self.waiting, (self._queue_key(request), request.order, request))
         if self._run is not None:
             self._truncate_run(now)
 
@@ -415,7 +441,7 @@ class Engine:
             n = min(request.seq_len - request.num_computed, budget)
             need = -(-(request.num_computed + n) // bs) - len(request.block_ids)
             while need > pool.num_free:
-                victim = max(self.running, key=lambda r: (r.priority, r.order))
+                victim = self._victim()
                 victim_index = self.running.index(victim)
                 for k, (done, tokens) in enumerate(scheduled):
                     if done is victim:
@@ -564,7 +590,7 @@ class Engine:
         the sequence limit and free blocks allow; returns the budget left."""
         pool = self.pool
         bs = self.block_size
-        self._loaded.sort(key=lambda r: (r.priority, r.order))
+        self._loaded.sort(key=lambda r: (self._queue_key(r), r.order))
         while self._loaded and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._loaded[0]
             n = min(request.seq_len - request.num_computed, budget)
@@ -685,4 +711,6 @@ class Engine:
         request.num_cached_blocks = 0
         request.preemptions += 1
         self.stats.preemptions += 1
-        heapq.heappush(self.waiting, (request.priority, request.order, request))
+        # vLLM puts a preempted request back in its queue (priority) or at its front (FCFS)
+        key = self._queue_key(request) if self._by_priority else -1.0
+        heapq.heappush(self.waiting, (key, request.order, request))

@@ -629,3 +629,46 @@ def test_unknown_preset_names_the_choices():
         preset("nope")
     for name in presets():
         assert name in str(err.value)
+
+
+# -- the scheduling policy (vLLM's --scheduling-policy) ------------------------------------
+
+
+def _first_admitted(engine: Engine, requests: list[EngineRequest]) -> list[str]:
+    for r in requests:
+        engine.add_request(r, 0.0)
+    run_to_idle(engine)
+    return [r.request_id for r in sorted(requests, key=lambda r: (r.first_scheduled_at, r.order))]
+
+
+def test_priority_scheduling_admits_the_lowest_priority_value_first():
+    # one sequence at a time: the admission order is the queue order
+    engine = Engine("w", model(max_num_seqs=1), num_blocks=30, scheduling_policy="priority")
+    reqs = [req("late", 4, 1, priority=5.0), req("soon", 4, 1, priority=-1.0),
+            req("mid", 4, 1, priority=2.0)]
+    assert _first_admitted(engine, reqs) == ["soon", "mid", "late"]
+
+
+def test_fcfs_scheduling_ignores_priority_and_admits_by_arrival():
+    engine = Engine("w", model(max_num_seqs=1), num_blocks=30, scheduling_policy="fcfs")
+    reqs = [req("late", 4, 1, priority=5.0), req("soon", 4, 1, priority=-1.0),
+            req("mid", 4, 1, priority=2.0)]
+    assert _first_admitted(engine, reqs) == ["late", "soon", "mid"]
+
+
+def test_fcfs_preempts_the_last_admitted_and_priority_the_largest_priority_value():
+    # 5 usable blocks of 4 tokens; two requests of 8 + 4 tokens each fill them and then need
+    # one more block each: one must be preempted
+    for policy, preempted in (("fcfs", "second"), ("priority", "first")):
+        engine = Engine("w", MODEL, num_blocks=6, scheduling_policy=policy)
+        first, second = req("first", 8, 5, priority=9.0), req("second", 8, 5, priority=1.0)
+        engine.add_request(first, 0.0)
+        engine.add_request(second, 0.0)
+        run_to_idle(engine)
+        assert {r.request_id: r.preemptions > 0 for r in (first, second)} == {
+            "first": preempted == "first", "second": preempted == "second"}, policy
+
+
+def test_an_unknown_scheduling_policy_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        Engine("w", MODEL, num_blocks=6, scheduling_policy="lifo")
