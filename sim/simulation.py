@@ -3,7 +3,8 @@ gateway runs, in virtual time (architecture.md §1, §5.6).
 
 The driver only feeds the policy observations (arrivals, completions with usage, KV event
 batches from the engines, ticks) and carries out its decisions: an ``Admit`` queues the
-call on that engine with the admission's priority, a ``Hold`` keeps it until a later
+call on that engine with the admission's priority (which orders the engine's queue only
+under ``scheduling_policy="priority"``, as vLLM's ``--scheduling-policy``), a ``Hold`` keeps it until a later
 ``Admit``, ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order, and
 ``Offload`` / ``Prefetch`` do the same in its host tier (the engine plugin's semantics). It
 never decides anything itself.
@@ -302,7 +303,8 @@ class Simulation:
                  apply_retention: bool = True,
                  progress: Callable[[float], None] | None = None,
                  sample_every_s: float = 10.0, stop_when_done: bool = False,
-                 on_sample: Callable[[float, Simulation], None] | None = None) -> None:
+                 on_sample: Callable[[float, Simulation], None] | None = None,
+                 scheduling_policy: str = "priority") -> None:
         if workers <= 0:
             raise ValueError(f"workers must be > 0, got {workers}")
         if duration_s <= 0:
@@ -312,7 +314,7 @@ class Simulation:
         self.duration_s = duration_s
         self.engines = [
             Engine(f"w{i}", model, num_blocks=num_blocks, block_size=block_size,
-                   report_reuse=report_reuse)
+                   report_reuse=report_reuse, scheduling_policy=scheduling_policy)
             for i in range(workers)
         ]
         self._by_name = {engine.name: engine for engine in self.engines}
