@@ -64,13 +64,24 @@ from controller.errors import (
     GatewayError,
     error_response,
 )
-from controller.identity import ROUTE_MESSAGES, ROUTES, Identity, IdentityError, resolve_identity
+from controller.conversations import Answer, AnswerTap, Conversations, answer_from_body
+from controller.identity import (
+    CONTENT_SOURCE,
+    ROUTE_CHAT,
+    ROUTE_MESSAGES,
+    ROUTE_RESPONSES,
+    ROUTES,
+    Identity,
+    IdentityError,
+    resolve_identity,
+)
 from controller.model_catalog import ModelCatalog
 from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
 from controller.relay_client import RelayResponse, TransportError
 from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import (
+    ERROR_SNIPPET_BYTES,
     StreamTap,
     UpstreamPool,
     UsageCounts,
@@ -86,7 +97,7 @@ from controller.upstream import (
     transport_error,
 )
 from controller.workers import WorkerRegistry
-from scheduler.calls import CallRequest
+from scheduler.calls import CallRequest, Usage
 from scheduler.policies import make_policy
 
 # A body over the limit is still read (and dropped) up to this much, so the client gets
@@ -166,6 +177,8 @@ class Parts:
     models: ModelCatalog
     kv_events: KvEventSubscriber | None = None  # the KV-event subscriber (controller/subscriber.py)
     drain: Drain = field(default_factory=lambda: Drain(0.0))  # graceful shutdown (controller/drain.py)
+    # programs of calls without identity, by the answers they carry on (controller/conversations.py)
+    conversations: Conversations = field(default_factory=Conversations)
 
 
 def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monotonic,
@@ -329,6 +342,7 @@ class _Gateway:
         """One proxied call, as a raw ASGI app (POST on one of :data:`ROUTES`)."""
         received, received_wall = self.clock(), self.wall()
         route = scope["path"]
+        assigned: Identity | None = None  # a call without identity, counted in conversations
         try:
             headers = _header_map(scope["headers"])
             try:
@@ -338,24 +352,39 @@ class _Gateway:
                     identity, forward = resolve_identity(route, headers, body,
                                                          self.parts.responses.get)
                     strip_client_engine_keys(forward, self.forwarded_client_keys)
-                    stream = forward.get("stream") is True
-                    drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
-                    content = _encode(forward)
                 except RecursionError:
                     # A body that decoded just under the interpreter's limit can still be too
-                    # deep to walk (identity's canonical JSON) or to encode again.
+                    # deep to walk (identity's canonical JSON).
                     raise _too_deep() from None
             except (GatewayError, IdentityError) as err:
-                await self._refuse(route, err)(scope, receive, send)
+                refusal = self._refuse(route, err)
+                self._record_refused(route, refusal.status_code, str(err), None, received,
+                                     received_wall)
+                await refusal(scope, receive, send)
                 return
             except _ClientGone:
                 self.count_request(route, 499)
                 self.log.info("client disconnected", stage="upload", route=route)
+                self._record_refused(route, 499, "the client disconnected during the upload",
+                                     None, received, received_wall)
                 return
             unknown = await self._unknown_model(identity.model)
             if unknown is not None:
                 self.count_request(route, 404)
+                self._record_refused(route, 404, unknown.message, identity, received, received_wall)
                 await unknown.response(path=route)(scope, receive, send)
+                return
+            if identity.source == CONTENT_SOURCE:
+                identity = assigned = self._continue_conversation(identity)
+            try:
+                stream = forward.get("stream") is True
+                drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
+                content = _encode(forward)
+            except RecursionError:
+                # ... or to encode again
+                if assigned is not None:
+                    self.parts.conversations.failed(assigned.session_id, assigned.chain.head)
+                await self._refuse(route, _too_deep())(scope, receive, send)
                 return
             call = CallRequest(
                 request_id=f"{self._id_prefix}{next(self._ids)}",
@@ -366,10 +395,14 @@ class _Gateway:
                 chain=identity.chain,
                 chain_tokens=identity.chain_tokens,
                 final=identity.final,
+                group_id=identity.group_id,
+                hints=identity.hints,
             )
         except Exception as exc:
             # What Starlette's error middleware does for the other routes: nothing was sent yet.
             self.log.error("unhandled error", path=route, exc_info=exc)
+            if assigned is not None:
+                self.parts.conversations.failed(assigned.session_id, assigned.chain.head)
             await error_response(500, "internal error in the gateway", INTERNAL,
                                  path=route)(scope, receive, send)
             return
@@ -379,6 +412,32 @@ class _Gateway:
             path += b"?" + query
         await _ProxyCall(self, route, path, scope["headers"], call, identity, content, stream,
                          drop_usage, received, received_wall)(receive, send)
+
+    def _record_refused(self, route: str, status: int, error: str, identity: Identity | None,
+                        received: float, received_wall: float) -> None:
+        """The ``request_end`` record of a request refused before it became a call (invalid,
+        too large, a model nobody serves, the client gone during its upload)."""
+        request_log = self.parts.request_log
+        if request_log.path is None:
+            return
+        request_log.write(request_end_record(
+            request_id=f"{self._id_prefix}{next(self._ids)}",
+            session_id=identity.session_id if identity is not None else None,
+            parent_session_id=identity.parent_session_id if identity is not None else None,
+            model=identity.model if identity is not None else None,
+            input_tokens=0, output_tokens=0, cached_tokens=0, received_unix_s=received_wall,
+            total_s=self.clock() - received, ttft_s=None, queue_s=0.0, now_unix_s=self.wall(),
+            extra={"worker": None, "route": route, "status": status, "error": error,
+                   "identity_source": identity.source if identity is not None else None}))
+
+    def _continue_conversation(self, identity: Identity) -> Identity:
+        """A call without identity: the program whose last answer it carries on, or a new
+        one of its opening's group (controller/conversations.py), counted in flight until
+        the call ends."""
+        assert identity.group_id is not None  # resolve_identity names the opening's group
+        session = self.parts.conversations.assign(identity.group_id, identity.continues,
+                                                  identity.chain.head)
+        return dataclasses.replace(identity, session_id=session)
 
     def _refuse(self, route: str, err: GatewayError | IdentityError) -> Response:
         """The gateway's own answer to a request it will not forward, counted by status."""
@@ -412,12 +471,16 @@ class _Gateway:
             unknown = await self._unknown_model(identity.model)
             if unknown is not None:
                 raise unknown
-            worker = self._count_tokens_worker(identity.session_id)
+            session = identity.session_id
+            if identity.source == CONTENT_SOURCE:
+                # the program the call it prepares would continue (nothing is counted)
+                session = self.parts.conversations.find(identity.continues, identity.chain.head) or session
+            worker = self._count_tokens_worker(session)
             if worker is None:
                 raise GatewayError(503, "no healthy worker: every worker fails its health checks",
                                    UNAVAILABLE)
             path = route.encode() + (b"?" + request.url.query.encode() if request.url.query else b"")
-            headers = forward_headers(request.headers.raw, identity.session_id)
+            headers = forward_headers(request.headers.raw, session)
             response = await open_upstream(self.parts.pool, worker, path, content, headers)
             try:
                 answer = await response.aread()
@@ -552,6 +615,11 @@ def _too_deep() -> GatewayError:
     return GatewayError(400, "request body is nested too deeply to process", INVALID_REQUEST)
 
 
+# How the answer of a call without identity is read, per route (completions: no answer is
+# carried back as a message, so each such call is its own program).
+_ANSWER_KINDS = {ROUTE_CHAT: "chat", ROUTE_MESSAGES: "messages", ROUTE_RESPONSES: "responses"}
+
+
 def _max_output(body: dict) -> int | None:
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(key)
@@ -567,7 +635,7 @@ class _ProxyCall:
     __slots__ = ("g", "route", "path", "raw_headers_in", "call", "identity", "content", "stream",
                  "drop_usage", "received", "received_wall", "admitted", "accounted", "finished",
                  "started", "status", "sent_upstream_at", "first_byte_at", "_send", "_scope",
-                 "cut")
+                 "cut", "answer_kind", "answered", "usage", "error", "recorded")
 
     def __init__(self, gateway: _Gateway, route: str, path: bytes,
                  raw_headers: list[tuple[bytes, bytes]], call: CallRequest, identity: Identity,
@@ -594,6 +662,14 @@ class _ProxyCall:
         self._send: Send | None = None
         self._scope: anyio.CancelScope | None = None
         self.cut = False  # ended by the shutdown drain
+        # A call without identity: how to read its answer (the next call of its program
+        # carries it back: controller/conversations.py), and whether it was read.
+        self.answer_kind = (_ANSWER_KINDS.get(route) if identity.source == CONTENT_SOURCE
+                            else None)
+        self.answered = False
+        self.usage: Usage | None = None  # what the worker reported (or the estimate), if it ran
+        self.error: str | None = None  # why the call did not complete, if it did not
+        self.recorded = False  # its request_end record is written (before its last byte goes)
 
     async def __call__(self, receive: Receive, send: Send) -> None:
         self._send = send
@@ -610,26 +686,33 @@ class _ProxyCall:
                 drain.untrack(self)
                 if not watcher.done():
                     watcher.cancel()
+                if self.identity.source == CONTENT_SOURCE and not self.answered:
+                    # refused, failed or cut: a retry of it continues the same program
+                    self.g.parts.conversations.failed(self.call.session_id, self.identity.chain.head)
         if self.cut and not self.finished:
             await self._end_for_shutdown()
-            return
-        if not self.finished:
+        elif not self.finished:
             self.g.count_request(self.route, 499)
+            self.status, self.error = 499, "the client disconnected"
             self.g.log.info("client disconnected", request_id=self.call.request_id,
                             session_id=self.call.session_id,
                             stage="held" if self.admitted is None else
                             ("streaming" if self.started else "upstream"))
+        if not self.recorded:
+            self._record()
 
     async def _end_for_shutdown(self) -> None:
         """End a call the drain cut, in a way its client can read."""
         err = GatewayError(503, "the gateway is shutting down; retry the call", UNAVAILABLE,
                            retry_after_s=self.g.config.limits.retry_after_s)
+        self.error = err.message
         self.g.log.info("call cut by shutdown", request_id=self.call.request_id,
                         session_id=self.call.session_id,
                         stage="held" if self.admitted is None else
                         ("streaming" if self.started else "upstream"))
         if self.started:
             self.finished = True
+            self._record()
             await self._body(err.sse_event(self.route), more=False)
             self.g.count_request(self.route, 503)
         else:
@@ -754,19 +837,23 @@ class _ProxyCall:
             response_id = find_response_id(obj)
             if response_id is not None:
                 self.g.parts.responses.put(response_id, self.call.session_id)
-            await self._account(counts)
+            answer = answer_from_body(self.answer_kind, obj) if self.answer_kind else None
+            await self._account(counts, answer)
         else:
             await self._account(None)  # the worker refused it: nothing ran
+            snippet = body[:ERROR_SNIPPET_BYTES].decode("utf-8", "replace").strip()
+            self.error = f"worker {worker} answered {response.status_code}: {snippet}"
         headers = response_headers(response.headers)
         headers.append((b"content-length", str(len(body)).encode()))
         self.status = response.status_code
         self._observe(worker, counts if ok else None)
         self.finished = True
+        self._record()
         await self._start(response.status_code, headers)
         await self._body(body, more=False)
 
     async def _relay_stream(self, response: RelayResponse, worker: str) -> None:
-        tap = StreamTap(self.drop_usage)
+        tap = StreamTap(self.drop_usage, AnswerTap(self.answer_kind) if self.answer_kind else None)
         await self._start(response.status_code, response_headers(response.headers))
         try:
             async for chunk in response.aiter_raw():
@@ -782,32 +869,41 @@ class _ProxyCall:
                 await self._body(rest)
         except TransportError as err:
             error = transport_error(worker, err, mid_stream=True)
+            self.error = error.message
             self.g.log.warning("upstream stream broke", request_id=self.call.request_id,
                                session_id=self.call.session_id, worker=worker, problem=error.message)
             if not self.accounted:
                 await self._account(None)
             self.finished = True
+            self._record()
             await self._body(error.sse_event(self.route), more=False)
             return
         if not self.accounted:
             await self._finish_stream(tap)
         self._observe(worker, tap.usage)
         self.finished = True
+        self._record()
         await self._body(b"", more=False)
 
     async def _finish_stream(self, tap: StreamTap) -> None:
         if tap.response_id is not None:
             self.g.parts.responses.put(tap.response_id, self.call.session_id)
-        await self._account(tap.usage)
+        await self._account(tap.usage, tap.answer.answer() if tap.answer is not None else None)
 
     # -- bookkeeping ------------------------------------------------------------------
 
-    async def _account(self, counts: UsageCounts | None) -> None:
+    async def _account(self, counts: UsageCounts | None, answer: Answer | None = None) -> None:
         """Tell the policy how the call ended (once); shielded, so a client leaving at that
-        moment cannot leave the policy thinking the call still runs."""
+        moment cannot leave the policy thinking the call still runs. A call without identity
+        that completed leaves its ``answer`` for the program's next call to carry on from,
+        before the client has it."""
         if self.accounted:
             return
         self.accounted = True
+        if counts is not None and self.identity.source == CONTENT_SOURCE:
+            self.answered = True
+            self.g.parts.conversations.answered(self.call.session_id, self.identity.chain.head,
+                                                answer)
         with anyio.CancelScope(shield=True):
             admission = self.g.parts.admission
             if counts is None:
@@ -819,6 +915,7 @@ class _ProxyCall:
             await admission.complete(self.call.request_id, counts.to_usage(self.identity.prompt_tokens))
 
     def _observe(self, worker: str, counts: UsageCounts | None) -> None:
+        """Metrics of a call the worker answered (``counts`` None: it refused it)."""
         parts = self.g.parts
         now = self.g.clock()
         self.g.count_request(self.route, self.status)
@@ -828,33 +925,55 @@ class _ProxyCall:
                 None if self.first_byte_at is None else self.first_byte_at - self.sent_upstream_at)
         if counts is None:
             return
-        usage = counts.to_usage(self.identity.prompt_tokens)
+        usage = self.usage = counts.to_usage(self.identity.prompt_tokens)
         parts.metrics.count_usage(worker, usage.prompt_tokens, usage.cached_tokens,
                                   usage.completion_tokens)
+
+    def _record(self) -> None:
+        """Every call, however it ended, leaves a ``request_end`` record (when the request log
+        is on) and a ``call done`` line: its status, and why it did not complete if it did not.
+        Written once, before the call's last byte is sent (a client that reads the log after
+        its answer finds the record there)."""
+        self.recorded = True
+        parts = self.g.parts
+        now = self.g.clock()
+        usage = self.usage
         held = self.admitted.held_s if self.admitted is not None else 0.0
+        worker = self.admitted.worker if self.admitted is not None else None
         ttft = (self.first_byte_at - self.received) if (self.stream and self.first_byte_at) else None
         if parts.request_log.path is not None:  # else the record would be built for nothing
+            extra: dict[str, Any] = {"worker": worker, "route": self.route, "stream": self.stream,
+                                     "status": self.status,
+                                     "identity_source": self.identity.source}
+            if self.identity.group_id is not None:
+                extra["group_id"] = self.identity.group_id
+            if self.error is not None:
+                extra["error"] = self.error
             parts.request_log.write(request_end_record(
                 request_id=self.call.request_id,
                 session_id=self.call.session_id,
                 parent_session_id=self.call.parent_session_id,
                 model=self.identity.model,
-                input_tokens=usage.prompt_tokens,
-                output_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
+                input_tokens=usage.prompt_tokens if usage else 0,
+                output_tokens=usage.completion_tokens if usage else 0,
+                cached_tokens=usage.cached_tokens if usage else 0,
                 received_unix_s=self.received_wall,
                 total_s=now - self.received,
                 ttft_s=ttft,
                 queue_s=held,
                 now_unix_s=self.g.wall(),
-                extra={"worker": worker, "route": self.route, "stream": self.stream,
-                       "status": self.status, "identity_source": self.identity.source},
+                extra=extra,
             ))
-        self.g.call_lines.info("call done", {
+        line: dict[str, Any] = {
             "request_id": self.call.request_id, "session_id": self.call.session_id,
             "worker": worker, "route": self.route, "status": self.status, "stream": self.stream,
-            "held_s": round(held, 4), "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens})
+            "held_s": round(held, 4)}
+        if usage is not None:
+            line.update(prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens)
+        if self.error is not None:
+            line["error"] = self.error
+        self.g.call_lines.info("call done", line)
 
     # -- ASGI -------------------------------------------------------------------------
 
@@ -869,10 +988,14 @@ class _ProxyCall:
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def _send_error(self, err: GatewayError) -> None:
+        if self.error is None:
+            self.error = err.message
         if self.started:
             return
         body = _encode(err.body(self.route))
         self.finished = True
+        self.status = err.status
+        self._record()
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
         headers += [(name.encode(), value.encode()) for name, value in err.headers().items()]

@@ -1,10 +1,18 @@
 """Who a request belongs to, and where its prompt sits among the ones seen before.
 
-architecture.md §5.2 "Identity" and §2 "Coordinates". :func:`resolve_identity` reads the session id
-from the first identity source a request carries (headers first, then body fields, then a
-hash of the conversation's opening), the parent session and the ``final`` flag, mints the
-continuation chain of the prompt, estimates its token counts, and returns the body to forward
-without ``program_id`` and without any continuation id the client sent.
+architecture.md §5.2 "Identity" and §2 "Coordinates". :func:`resolve_identity` reads the
+program (session) id from the first identity source a request carries — the body's agent
+contexts first, then session headers, then plain body fields (:data:`SOURCE_ORDER`) —
+with its parent, its group and the client's hints (priority, deadline, expected output,
+retention TTL); mints the continuation chain of the prompt, estimates its token counts, and
+returns the body to forward without the identity fields Sluice consumes (``program_id``,
+``agent_hint``, ``nvext.agent_context`` / ``agent_hints``, ``vllm_xargs.agentic_context``)
+and without any continuation id the client sent.
+
+A request with no identity at all is resolved by its content: its group is a hash of its
+opening (model, salt, system prompt, first user message), and :attr:`Identity.continues`
+names the answer it carries on from — the chain id before its last assistant turn and that
+turn's fingerprint (:mod:`controller.conversations` decides which program that is).
 
 Pure: no I/O, no clock, nothing built at import time beyond constant tables. Runs on every
 request, so each message is serialised twice at most (once to estimate its tokens, once inside
@@ -14,10 +22,23 @@ request, so each message is serialised twice at most (once to estimate its token
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from controller.conversations import (
+    Answer,
+    AnswerKey,
+    anthropic_answer,
+    answer_fingerprint,
+    chat_answer,
+    is_response_output_item,
+    responses_answer,
+)
+from scheduler.calls import CallHints
 from scheduler.coordinates import (
     ContinuationChain,
     InvalidIdentifier,
@@ -33,8 +54,21 @@ ROUTE_RESPONSES = "/v1/responses"
 ROUTE_MESSAGES = "/v1/messages"
 ROUTES = frozenset({ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_RESPONSES, ROUTE_MESSAGES})
 
-# architecture.md §5.2, in order. The claude-code slot also reads the agent header (a child session).
-SESSION_HEADERS = ("x-dynamo-session-id", "x-claude-code-session-id", "thread-id", "x-session-id")
+# vllm-router's program scheduling contract (docs/program_scheduling.md in
+# vllm-project/router): vllm_xargs.agentic_context {program_id, session_id, task_id,
+# parent_program_id, root_program_id, priority, deadline_seconds, expected_output_length,
+# kv_retention_ttl_seconds}, and its compatibility object agent_hint {session_id,
+# parent_session_id}.
+AGENTIC_CONTEXT_SOURCE = "body.vllm_xargs.agentic_context"
+AGENT_HINT_SOURCE = "body.agent_hint"
+# Dynamo's (docs.nvidia.com/dynamo, "Agent Context" and "Agent Hints"): nvext.agent_context
+# {session_id, trajectory_id, parent_trajectory_id} (newer: workflow_id, program_id,
+# parent_program_id) and nvext.agent_hints {priority, osl}.
+NVEXT_CONTEXT_SOURCE = "body.nvext.agent_context"
+# architecture.md §5.2, in order. The claude-code slot also reads the agent header (a child
+# session); "session-id" is Codex's and OpenCode's.
+SESSION_HEADERS = ("x-dynamo-session-id", "x-claude-code-session-id", "session-id", "thread-id",
+                   "x-session-id")
 CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
 CLAUDE_CODE_AGENT_HEADER = "x-claude-code-agent-id"
 PARENT_HEADERS = (
@@ -44,12 +78,23 @@ PARENT_HEADERS = (
     "x-parent-session-id",
 )
 FINAL_HEADER = "x-dynamo-session-final"
+USER_ID_SOURCE = "body.metadata.user_id"
 CONTENT_SOURCE = "content"
 CONTENT_SESSION_PREFIX = "c-"
 CONTENT_SESSION_NAMESPACE = b"sluice.session.v1"
+# Every source, in the order the first one present wins (docs and tests read this).
+SOURCE_ORDER = (AGENTIC_CONTEXT_SOURCE, NVEXT_CONTEXT_SOURCE, AGENT_HINT_SOURCE,
+                *SESSION_HEADERS, "body.session_id", "body.program_id", USER_ID_SOURCE,
+                "body.prompt_cache_key", "body.previous_response_id", "body.conversation",
+                CONTENT_SOURCE)
 
 _FINAL_VALUES = frozenset({"true", "1"})
 _SYSTEM_ROLES = frozenset({"system", "developer"})
+# Claude Code before 2.0 put "user_<hash>_account_<uuid>_session_<uuid>" in metadata.user_id.
+_LEGACY_CLAUDE_CODE_USER_ID = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
+_INT32 = 2**31
+# A hint's seconds are bounded so that a client cannot make the policy's arithmetic overflow.
+_HINT_MAX_SECONDS = 10 * 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +109,10 @@ class Identity:
     chain_tokens: tuple[int, ...]  # estimated cumulative prompt tokens through each chain id
     prompt_tokens: int  # estimated prompt tokens of the whole request
     model: str | None
+    group_id: SessionId | None = None  # programs that belong together (task, root, opening)
+    hints: CallHints | None = None  # what the client said about the call
+    # content source only: the answer this call carries on from (None: it opens a conversation)
+    continues: AnswerKey | None = None
 
 
 class IdentityError(ValueError):
@@ -103,7 +152,8 @@ def resolve_identity(
     body: dict,
     lookup_response: Callable[[str], SessionId | None] = _no_lookup,
 ) -> tuple[Identity, dict]:
-    """Resolve the session, parent, final flag and continuation chain of one request.
+    """Resolve the session, parent, group, hints, final flag and continuation chain of one
+    request.
 
     ``route`` is one of :data:`ROUTES`. ``headers`` is looked up with lower-case names
     (starlette ``Headers`` are case-insensitive; a plain ``dict`` has its keys lower-cased
@@ -111,11 +161,14 @@ def resolve_identity(
     it, or ``None`` when unknown (the next source is then tried).
 
     Returns the identity and the body to forward: a shallow copy of ``body`` without
-    ``program_id``, ``continuation_id``, ``vllm_xargs.continuation_id`` (an emptied or null
-    ``vllm_xargs`` is dropped); nested values are shared with ``body``, which is not mutated.
+    ``program_id``, ``continuation_id``, ``agent_hint``, ``vllm_xargs.continuation_id``,
+    ``vllm_xargs.agentic_context`` and ``nvext``'s ``agent_context`` / ``agent_hints`` (an
+    emptied or null ``vllm_xargs`` or ``nvext`` is dropped); nested values are shared with
+    ``body``, which is not mutated.
 
-    Raises :class:`IdentityError` for an invalid id or a malformed body, naming the header or
-    field, and ``ValueError`` for a route that is not one of :data:`ROUTES` (a caller's bug).
+    Raises :class:`IdentityError` for an invalid id, hint or malformed body, naming the
+    header or field, and ``ValueError`` for a route that is not one of :data:`ROUTES` (a
+    caller's bug).
     """
     if route not in ROUTES:
         raise ValueError(f"resolve_identity: unknown route {route!r}")
@@ -127,18 +180,23 @@ def resolve_identity(
     model = _optional_str(body, "model")
     cache_salt = _optional_str(body, "cache_salt")
     prompt = _PROMPT_READERS[route](body)
+    contexts = _Contexts.read(body)
 
-    session_id, source, implied_parent = _session(headers, body, lookup_response)
+    found = _session(headers, body, contexts, lookup_response)
+    chain = mint_chain(model or "", cache_salt, prompt.tools, prompt.elements)
+    session_id, source, group, continues = found.session, found.source, found.group, None
     if session_id is None:
         session_id = _content_session(model, cache_salt, prompt.system, prompt.first_user)
-        source = CONTENT_SOURCE
+        source, group = CONTENT_SOURCE, session_id
+        if prompt.answer is not None:
+            start, answer = prompt.answer
+            continues = AnswerKey(chain.ids[start], answer_fingerprint(answer))
     parent = _parent(headers)
     if parent is None:
-        parent = implied_parent
+        parent = found.parent
     if parent == session_id:
         parent = None  # a program is not its own parent
 
-    chain = mint_chain(model or "", cache_salt, prompt.tools, prompt.elements)
     identity = Identity(
         session_id=session_id,
         source=source,
@@ -148,11 +206,14 @@ def resolve_identity(
         chain_tokens=prompt.chain_tokens,
         prompt_tokens=prompt.chain_tokens[-1],
         model=model,
+        group_id=group if source == CONTENT_SOURCE or group != session_id else None,
+        hints=contexts.hints(),
+        continues=continues,
     )
     return identity, _forward_body(body)
 
 
-# -- session, parent, final ---------------------------------------------------------------
+# -- session, parent, group, hints ----------------------------------------------------------
 
 
 def _validated(value: object, source: str) -> SessionId:
@@ -162,12 +223,131 @@ def _validated(value: object, source: str) -> SessionId:
         raise IdentityError(exc.source, exc.problem) from exc
 
 
+def _object(value: Any, source: str) -> dict | None:
+    """``value`` when it is an object, None when absent; anything else is the client's error."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise IdentityError(source, f"must be an object, got {_json_type(value)}")
+    return value
+
+
+def _optional_id(obj: dict, key: str, source: str) -> SessionId | None:
+    value = obj.get(key)
+    return None if value is None else _validated(value, f"{source}.{key}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Contexts:
+    """The agent contexts a body carries (vllm-router's, Dynamo's, agent_hint), read once."""
+
+    agentic: dict | None  # vllm_xargs.agentic_context
+    nvext_context: dict | None  # nvext.agent_context
+    nvext_hints: dict | None  # nvext.agent_hints
+    agent_hint: dict | None  # agent_hint
+
+    @classmethod
+    def read(cls, body: dict) -> _Contexts:
+        xargs = body.get("vllm_xargs")
+        agentic = None
+        if isinstance(xargs, dict):
+            agentic = _object(xargs.get("agentic_context"), AGENTIC_CONTEXT_SOURCE)
+        nvext = _object(body.get("nvext"), "body.nvext")
+        nvext_context = nvext_hints = None
+        if nvext is not None:
+            nvext_context = _object(nvext.get("agent_context"), NVEXT_CONTEXT_SOURCE)
+            nvext_hints = _object(nvext.get("agent_hints"), "body.nvext.agent_hints")
+        return cls(agentic, nvext_context, nvext_hints,
+                   _object(body.get("agent_hint"), AGENT_HINT_SOURCE))
+
+    def hints(self) -> CallHints | None:
+        """The client's hints, each from the first context that has it (vllm-router's
+        ``agentic_context`` before Dynamo's ``agent_hints``); None when there are none."""
+        agentic, dynamo = self.agentic or {}, self.nvext_hints or {}
+        priority = _hint_int(agentic, "priority", AGENTIC_CONTEXT_SOURCE)
+        if priority is None:
+            priority = _hint_int(dynamo, "priority", "body.nvext.agent_hints")
+        expected = _hint_int(agentic, "expected_output_length", AGENTIC_CONTEXT_SOURCE, minimum=0)
+        if expected is None:
+            expected = _hint_int(dynamo, "osl", "body.nvext.agent_hints", minimum=0)
+        deadline = _hint_seconds(agentic, "deadline_seconds", AGENTIC_CONTEXT_SOURCE)
+        ttl = _hint_seconds(agentic, "kv_retention_ttl_seconds", AGENTIC_CONTEXT_SOURCE)
+        if priority is None and expected is None and deadline is None and ttl is None:
+            return None
+        return CallHints(priority or 0, deadline, expected, ttl)
+
+
+def _hint_int(obj: dict, key: str, source: str, minimum: int = -_INT32) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise IdentityError(f"{source}.{key}", f"must be an integer, got {_json_type(value)}")
+    if not minimum <= value < _INT32:
+        raise IdentityError(f"{source}.{key}", f"must be in [{minimum}, {_INT32}), got {value}")
+    return value
+
+
+def _hint_seconds(obj: dict, key: str, source: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise IdentityError(f"{source}.{key}", f"must be a number of seconds, got {_json_type(value)}")
+    if not (math.isfinite(value) and 0 <= value <= _HINT_MAX_SECONDS):
+        raise IdentityError(f"{source}.{key}", f"must be between 0 and {_HINT_MAX_SECONDS:g}, got {value}")
+    return float(value)
+
+
+class _Found(NamedTuple):
+    session: SessionId | None  # None: no source present (the content decides)
+    source: str
+    parent: SessionId | None  # the parent the source implies
+    group: SessionId | None  # the group the source implies
+
+
+def _from_contexts(contexts: _Contexts) -> _Found | None:
+    """The program named by an agent context: vllm-router's canonical one, Dynamo's, then
+    ``agent_hint`` (vllm-router's precedence; each names a program more precisely than a
+    session header, which usually names the whole run)."""
+    agentic = contexts.agentic
+    if agentic is not None:
+        src = AGENTIC_CONTEXT_SOURCE
+        program = _optional_id(agentic, "program_id", src) or _optional_id(agentic, "session_id", src)
+        if program is not None:
+            group = _optional_id(agentic, "task_id", src) or _optional_id(agentic, "root_program_id", src)
+            return _Found(program, src, _optional_id(agentic, "parent_program_id", src), group)
+    dynamo = contexts.nvext_context
+    if dynamo is not None:
+        src = NVEXT_CONTEXT_SOURCE
+        run = _optional_id(dynamo, "workflow_id", src) or _optional_id(dynamo, "session_id", src)
+        program = _optional_id(dynamo, "program_id", src) or _optional_id(dynamo, "trajectory_id", src)
+        if program is not None or run is not None:
+            parent = (_optional_id(dynamo, "parent_program_id", src)
+                      or _optional_id(dynamo, "parent_trajectory_id", src))
+            return _Found(program or run, src, parent, run if program is not None else None)
+    hint = contexts.agent_hint
+    if hint is not None:
+        program = _optional_id(hint, "session_id", AGENT_HINT_SOURCE)
+        if program is not None:
+            return _Found(program, AGENT_HINT_SOURCE,
+                          _optional_id(hint, "parent_session_id", AGENT_HINT_SOURCE), None)
+    return None
+
+
 def _session(
     headers: Mapping[str, str],
     body: dict,
+    contexts: _Contexts,
     lookup_response: Callable[[str], SessionId | None],
-) -> tuple[SessionId | None, str, SessionId | None]:
-    """(session id, source, parent implied by the source) from the first source present."""
+) -> _Found:
+    """The program id from the first source present (:data:`SOURCE_ORDER`)."""
+    found = _from_contexts(contexts)
+    if found is not None:
+        return found
+
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if name == CLAUDE_CODE_SESSION_HEADER:
@@ -175,34 +355,69 @@ def _session(
             if agent is not None:
                 child = _validated(agent, CLAUDE_CODE_AGENT_HEADER)
                 parent = None if value is None else _validated(value, CLAUDE_CODE_SESSION_HEADER)
-                return child, CLAUDE_CODE_AGENT_HEADER, parent
+                return _Found(child, CLAUDE_CODE_AGENT_HEADER, parent, None)
         if value is not None:
-            return _validated(value, name), name, None
+            return _Found(_validated(value, name), name, None, None)
 
-    for field in ("session_id", "program_id", "prompt_cache_key"):
+    for field in ("session_id", "program_id"):
         value = body.get(field)
         if value is not None:
             source = f"body.{field}"
-            return _validated(value, source), source, None
+            return _Found(_validated(value, source), source, None, None)
+
+    user = _claude_code_session(body)
+    if user is not None:
+        return _Found(user, USER_ID_SOURCE, None, None)
+
+    value = body.get("prompt_cache_key")
+    if value is not None:
+        return _Found(_validated(value, "body.prompt_cache_key"), "body.prompt_cache_key", None, None)
 
     previous = body.get("previous_response_id")
     if previous is not None:
         source = "body.previous_response_id"
-        found = lookup_response(_validated(previous, source))
-        if found is not None:
-            return found, source, None
+        found_session = lookup_response(_validated(previous, source))
+        if found_session is not None:
+            return _Found(found_session, source, None, None)
 
     conversation = body.get("conversation")
     if conversation is not None:
         source = "body.conversation"
         if isinstance(conversation, dict):
-            return _validated(conversation.get("id"), "body.conversation.id"), source, None
+            return _Found(_validated(conversation.get("id"), "body.conversation.id"), source, None, None)
         if isinstance(conversation, str):
-            return _validated(conversation, source), source, None
+            return _Found(_validated(conversation, source), source, None, None)
         raise IdentityError(
             source, f"must be a string or an object with an id, got {_json_type(conversation)}"
         )
-    return None, CONTENT_SOURCE, None
+    return _Found(None, CONTENT_SOURCE, None, None)
+
+
+def _claude_code_session(body: dict) -> SessionId | None:
+    """Anthropic's ``metadata.user_id``: Claude Code 2 puts a JSON object there with its
+    ``session_id``, earlier versions ``user_<hash>_account_<uuid>_session_<uuid>``; any other
+    value is taken as it is (a harness that labels each run there). Anthropic's field, read
+    opportunistically: a value that is no valid id is ignored, not refused."""
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if not isinstance(user, str):
+        return None
+    candidate: object = user
+    if user.startswith("{"):
+        try:
+            decoded = json.loads(user)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict) and decoded.get("session_id") is not None:
+            candidate = decoded["session_id"]
+    else:
+        legacy = _LEGACY_CLAUDE_CODE_USER_ID.search(user)
+        if legacy is not None:
+            candidate = legacy.group(1)
+    try:
+        return validate_session_id(candidate, USER_ID_SOURCE)
+    except InvalidIdentifier:
+        return None
 
 
 def _parent(headers: Mapping[str, str]) -> SessionId | None:
@@ -246,14 +461,43 @@ class _Prompt:
     chain_tokens: tuple[int, ...]  # cumulative: tools, then through each element
     system: list[Any]  # system prompt parts, for the content-derived session id
     first_user: Any  # the first user message's content, likewise
+    # the last assistant turn before the end (not a final one the reply continues): the
+    # index of its first element, and the turn
+    answer: tuple[int, Answer] | None = None
+
+
+def _last_answer(elements: list[Any], is_turn: Callable[[Any], bool],
+                 read: Callable[[list[Any]], Answer], *, runs: bool) -> tuple[int, Answer] | None:
+    """The last answer among ``elements`` and the index of its first element, skipping
+    answer elements at the very end (a final assistant message is a prefill the reply
+    continues, not an answer the call carries back). An answer is one element, or with
+    ``runs`` a run of consecutive ones (a Responses answer: reasoning, message, calls)."""
+    end = len(elements)
+    while end and is_turn(elements[end - 1]):
+        end -= 1
+    stop = end
+    while stop and not is_turn(elements[stop - 1]):
+        stop -= 1
+    if not stop:
+        return None
+    start = stop - 1
+    if runs:
+        while start and is_turn(elements[start - 1]):
+            start -= 1
+    return start, read(elements[start:stop])
+
+
+def _is_assistant(element: Any) -> bool:
+    return element.get("role") == "assistant"
 
 
 def _read_chat(body: dict) -> _Prompt:
     messages = _message_list(body, "messages", required=True)
     tools = _tools(body)
     system, first_user = _opening(messages)
+    answer = _last_answer(messages, _is_assistant, lambda run: chat_answer(run[0]), runs=False)
     return _Prompt(tools, messages, _cumulative(tools, messages, "body.messages"), system,
-                   first_user)
+                   first_user, answer)
 
 
 def _read_completions(body: dict) -> _Prompt:
@@ -311,7 +555,9 @@ def _read_responses(body: dict) -> _Prompt:
             return f"body.input[{i - n_instructions}]"
         return "body.input"
 
-    return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user)
+    answer = _last_answer(elements, is_response_output_item, responses_answer, runs=True)
+    return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user,
+                   answer)
 
 
 def _read_messages(body: dict) -> _Prompt:
@@ -337,7 +583,10 @@ def _read_messages(body: dict) -> _Prompt:
     def field(i: int) -> str:
         return "body.system" if i < offset else f"body.messages[{i - offset}]"
 
-    return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user)
+    answer = _last_answer(elements, _is_assistant,
+                          lambda run: anthropic_answer(run[0].get("content")), runs=False)
+    return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user,
+                   answer)
 
 
 _PROMPT_READERS: dict[str, Callable[[dict], _Prompt]] = {
@@ -472,22 +721,39 @@ def _completion_prompt_tokens(prompt: str | list[Any]) -> int:
 
 
 def _forward_body(body: dict) -> dict:
+    """The body without what Sluice consumes: identity fields, agent contexts and hints,
+    client continuation ids (vLLM's ``vllm_xargs`` only takes flat values, so an
+    ``agentic_context`` object there would be refused by the engine anyway)."""
     out = dict(body)
     out.pop("program_id", None)
     out.pop("continuation_id", None)
+    out.pop("agent_hint", None)
     if "vllm_xargs" in out:
         xargs = out["vllm_xargs"]
         if xargs is None:
             del out["vllm_xargs"]
         elif not isinstance(xargs, dict):
             raise IdentityError("body.vllm_xargs", f"must be an object, got {_json_type(xargs)}")
-        elif "continuation_id" in xargs:
-            rest = {k: v for k, v in xargs.items() if k != "continuation_id"}
-            if rest:
-                out["vllm_xargs"] = rest
-            else:
-                del out["vllm_xargs"]
+        else:
+            _drop_keys(out, "vllm_xargs", ("continuation_id", "agentic_context"))
+    if isinstance(out.get("nvext"), dict):
+        _drop_keys(out, "nvext", ("agent_context", "agent_hints"))
+    elif "nvext" in out and out["nvext"] is None:
+        del out["nvext"]
     return out
+
+
+def _drop_keys(body: dict, key: str, names: tuple[str, ...]) -> None:
+    """``body[key]`` (an object) without ``names``: replaced by a copy when it has any, removed
+    when nothing is left."""
+    inner = body[key]
+    if not any(name in inner for name in names):
+        return
+    rest = {k: v for k, v in inner.items() if k not in names}
+    if rest:
+        body[key] = rest
+    else:
+        del body[key]
 
 
 def _optional_str(body: dict, key: str) -> str | None:

@@ -330,7 +330,7 @@ class RequestLog:
             self._log.error("cannot write request record", path=str(self.path), problem=str(err))
 
 
-def request_end_record(*, request_id: str, session_id: str, parent_session_id: str | None,
+def request_end_record(*, request_id: str, session_id: str | None, parent_session_id: str | None,
                        model: str | None, input_tokens: int, output_tokens: int,
                        cached_tokens: int, received_unix_s: float, total_s: float,
                        ttft_s: float | None, queue_s: float, now_unix_s: float,

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from controller.conversations import AnswerTap
 from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
 from controller.relay_client import (
     ConnectError,
@@ -253,10 +254,15 @@ class StreamTap:
     Everything else is byte-identical.
     """
 
-    __slots__ = ("drop_usage_chunk", "dropped", "done", "usage", "response_id", "_pending")
+    __slots__ = ("drop_usage_chunk", "dropped", "done", "usage", "response_id", "answer",
+                 "_pending")
 
-    def __init__(self, drop_usage_chunk: bool) -> None:
+    def __init__(self, drop_usage_chunk: bool, answer: AnswerTap | None = None) -> None:
         self.drop_usage_chunk = drop_usage_chunk
+        # Given, every event is decoded and fed to it (a call without identity, whose
+        # answer names its program: controller/conversations.py); else only the few events
+        # that may carry usage are.
+        self.answer = answer
         self.dropped = False
         # The stream's end marker went by: ``data: [DONE]`` (OpenAI), ``message_stop``
         # (Anthropic), ``response.completed`` (Responses API). Usage is known by then.
@@ -306,7 +312,8 @@ class StreamTap:
 
     def _inspect(self, event: bytes) -> bool:
         """Scan one event; True when it is a usage-only chunk."""
-        if not _worth_parsing(event):
+        worth = _worth_parsing(event)
+        if not worth and self.answer is None:
             return False
         data = _event_data(event)
         if data is None:
@@ -315,6 +322,10 @@ class StreamTap:
             self.done = True
             return False
         obj = decode_json(data)
+        if self.answer is not None:
+            self.answer.feed(obj)
+            if not worth:
+                return False
         if isinstance(obj, dict) and obj.get("type") in _END_EVENT_TYPES:
             self.done = True
         usage = find_usage(obj)

@@ -72,6 +72,11 @@ class Program:
     def pending(self) -> bool:
         return self.lifecycle is Lifecycle.PENDING
 
+    @property
+    def never_ran(self) -> bool:
+        """No call completed, and none is in flight or held: nothing of it exists anywhere."""
+        return self.steps == 0 and not self.in_flight and not self.waiting
+
     def demand_tokens(self) -> int:
         """Tokens this program needs resident: its context, or what its calls may grow to."""
         if self.in_flight:

@@ -76,7 +76,8 @@ magic bytes) request-trace records
 {"session_id", "parent_session_id"?}, "request": {"request_id"?, "input_tokens",
 "output_tokens", "request_received_ms", "total_time_ms"?, "replay"?: {"trace_block_size",
 "input_length"?, "input_sequence_hashes"}}}``. Only ``event_type == "request_end"`` records
-are used (others are skipped without further checks). Sluice's gateway writes
+are used (others are skipped without further checks), and of Sluice's own only those of
+calls that completed (a record with ``sluice.error`` is left out). Sluice's gateway writes
 Dynamo-compatible records, so both loaders are this one parser and accept both schema
 names. Records are written when requests *end*, so each session's calls are sorted by
 ``request_received_ms``. A session keeps its own timing: ``think_s`` is the gap between
@@ -682,6 +683,13 @@ class _Req:
     hashes: list[int] | None
 
 
+def _did_not_complete(rec: dict) -> bool:
+    """A Sluice record of a call that was refused, failed or cut (``sluice.error``): nothing
+    of it ran on an engine, so a replay leaves it out."""
+    sluice = rec.get("sluice")
+    return isinstance(sluice, dict) and sluice.get("error") is not None
+
+
 def _load_records(path: str | os.PathLike[str], default_block_size: int
                   ) -> tuple[list[ProgramSpec], int]:
     path = Path(path)
@@ -694,6 +702,8 @@ def _load_records(path: str | os.PathLike[str], default_block_size: int
     for lineno, text in _lines(path):
         rec = _json_line(path, lineno, text)
         if rec is None or rec.get("event_type") != "request_end":
+            continue
+        if _did_not_complete(rec):
             continue
         schema = rec.get("schema")
         if schema not in DYNAMO_SCHEMAS:

@@ -28,6 +28,10 @@ from scheduler.programs import Program
 from scheduler.snapshot import PolicySnapshot, ProgramView, WorkerView
 
 
+# The release reason of a program whose every call was refused, failed or abandoned.
+NEVER_RAN = "no call completed"
+
+
 class UnknownCall(KeyError):
     """A completion or abort named a call the policy never saw (a shell bug)."""
 
@@ -174,7 +178,9 @@ class Policy(ABC):
         return actions
 
     def on_abort(self, request_id: str, now: float) -> list[Action]:
-        """A call ended without a response, or a held call's client went away."""
+        """A call ended without a response (refused, failed, cut), or a held call's client
+        went away. A program left with no call completed, none in flight and none held never
+        ran: it is released at once, not kept until ``idle_release_s`` (architecture.md §5.1)."""
         call = self.calls.get(request_id)
         if call is None:
             raise UnknownCall(request_id)
@@ -182,10 +188,14 @@ class Policy(ABC):
             del self.calls[request_id]
             program = self.programs[call.session_id]
             program.drop_waiting(request_id)
+            if program.never_ran:
+                return self.release(program.session_id, now, NEVER_RAN)
             return []
         _, program = self._finish(request_id, None, now)
         if program is None:
             return []
+        if program.never_ran:
+            return self.release(program.session_id, now, NEVER_RAN)
         return self.after_call(program, now)
 
     def release(self, session_id: SessionId, now: float, reason: str) -> list[Action]:

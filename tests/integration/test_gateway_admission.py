@@ -80,7 +80,8 @@ def test_client_leaving_while_held_frees_its_place_and_never_reaches_a_worker(ti
         d = pool.submit(_post, gw.url, "d", timeout=0.3)
         with pytest.raises(httpx.ReadTimeout):
             d.result()
-        wait_for(lambda: gw.programs().get("d", {}).get("waiting") == 0, what="d's call dropped")
+        # its only call dropped: the program never ran, so it is released, not kept
+        wait_for(lambda: "d" not in gw.programs(), what="d's call dropped with its program")
         assert a.result().status_code == b.result().status_code == 200
         # A program arriving after that is not stuck behind d's dropped call.
         e = pool.submit(_post, gw.url, "e")
@@ -130,8 +131,8 @@ def test_client_leaving_mid_stream_cancels_the_upstream_request(roomy):
     # Leaving the block closed the client's connection mid-stream.
     assert fake.disconnected.wait(5), "the worker never saw its stream cancelled"
     assert fake.disconnects == ["quitter"]
-    wait_for(lambda: gw.programs()["quitter"]["in_flight"] == 0, what="abort in the policy")
-    assert gw.programs()["quitter"]["phase"] == "acting"
+    # aborted in the policy; it was the program's only call, so the program went with it
+    wait_for(lambda: "quitter" not in gw.programs(), what="abort in the policy")
 
 
 def test_client_leaving_while_the_worker_computes_cancels_the_upstream_request(roomy):
@@ -140,7 +141,7 @@ def test_client_leaving_while_the_worker_computes_cancels_the_upstream_request(r
         _post(gw.url, "impatient", timeout=0.3, **{"x-test-delay-s": "3"})
     assert fake.disconnected.wait(2), "the worker never saw the request cancelled"
     assert fake.disconnects == ["impatient"]
-    wait_for(lambda: gw.programs()["impatient"]["in_flight"] == 0, what="abort in the policy")
+    wait_for(lambda: "impatient" not in gw.programs(), what="abort in the policy")
 
 
 def test_unknown_capacity_takes_no_new_programs_until_metrics_tell_it():

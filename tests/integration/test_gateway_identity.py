@@ -89,15 +89,17 @@ def test_unknown_previous_response_id_falls_through_to_content(single):
     assert _last_seen(fake).body["session_id"].startswith("c-")
 
 
-def test_content_derived_session_is_stable_across_a_conversations_turns(single):
+def test_a_call_without_identity_continues_the_program_whose_answer_it_carries(single):
     gw, fake = single
     system = {"role": "system", "content": "You fix bugs."}
     opening = {"role": "user", "content": "test_utils fails"}
     turn1 = {"model": "fake-model", "messages": [system, opening]}
-    turn2 = {"model": "fake-model", "messages": [system, opening, {"role": "assistant", "content": "ok"},
-                                        {"role": "user", "content": "now run it"}]}
-    assert gw.client.post("/v1/chat/completions", json=turn1).status_code == 200
+    r1 = gw.client.post("/v1/chat/completions", json=turn1)
+    assert r1.status_code == 200
     first = _last_seen(fake)
+    answer = r1.json()["choices"][0]["message"]
+    turn2 = {"model": "fake-model", "messages": [system, opening, answer,
+                                                 {"role": "user", "content": "now run it"}]}
     assert gw.client.post("/v1/chat/completions", json=turn2).status_code == 200
     second = _last_seen(fake)
     session = first.body["session_id"]
@@ -105,6 +107,15 @@ def test_content_derived_session_is_stable_across_a_conversations_turns(single):
     assert gw.programs()[session]["steps"] == 2
     # The chain grew: a later turn's continuation id differs from the first's.
     assert first.body["vllm_xargs"]["continuation_id"] != second.body["vllm_xargs"]["continuation_id"]
+    # The same opening again is another run of the task: a program of its own
+    assert gw.client.post("/v1/chat/completions", json=turn1).status_code == 200
+    rerun = _last_seen(fake).body["session_id"]
+    assert rerun != session and rerun.rsplit("-", 1)[0] == session.rsplit("-", 1)[0]
+    # ... and an answer nobody gave starts one too
+    made_up = {**turn2, "messages": [system, opening, {"role": "assistant", "content": "no"},
+                                     {"role": "user", "content": "go"}]}
+    assert gw.client.post("/v1/chat/completions", json=made_up).status_code == 200
+    assert _last_seen(fake).body["session_id"] not in (session, rerun)
 
 
 @pytest.mark.parametrize("route,body", [

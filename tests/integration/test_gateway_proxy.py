@@ -145,6 +145,39 @@ def test_request_records_are_dynamo_request_end_lines_the_trace_loader_reads(fle
     assert traced.parent_session_id == "boss"
 
 
+def test_every_call_leaves_a_record_with_its_status_and_refused_ones_no_program(fleet):
+    gw, _, log_path = fleet
+    calls = [  # (session, headers, body, expected status)
+        ("rec-ok", {}, chat(max_tokens=2), 200),
+        ("rec-4xx", {"x-test-status": "400"}, chat(), 400),
+        ("rec-5xx", {"x-test-status": "500"}, chat(), 502),
+        ("rec-slow", {"x-test-delay-s": "1.5"}, chat(), 504),
+        ("rec-model", {}, chat(model="no-such-model"), 404),
+        ("rec-bad", {}, {"model": "fake-model", "messages": "not a list"}, 400),
+    ]
+    for session, headers, body, status in calls:
+        r = gw.client.post("/v1/chat/completions", json=body,
+                           headers={"x-session-id": session, **headers})
+        assert r.status_code == status, (session, r.text)
+    records = {rec["agent_context"]["session_id"]: rec
+               for rec in map(json.loads, log_path.read_text().splitlines())}
+    for session, _, _, status in calls:
+        if session == "rec-bad":
+            continue  # refused before its identity was read: no session to file it under
+        rec = records[session]
+        assert rec["sluice"]["status"] == status, session
+        assert ("error" in rec["sluice"]) == (status != 200), session
+    bad = [rec for rec in map(json.loads, log_path.read_text().splitlines())
+           if rec["sluice"]["status"] == 400 and rec["agent_context"]["session_id"] is None]
+    assert bad and "body.messages" in bad[-1]["sluice"]["error"]
+    assert "worker w" in records["rec-4xx"]["sluice"]["error"]
+    # nothing of the refused or failed ones is left in the policy, and a replay skips them
+    programs = gw.programs()
+    assert "rec-ok" in programs and not {"rec-4xx", "rec-5xx", "rec-slow", "rec-model"} & set(programs)
+    replayed = {p.session_id for p in load_sluice(log_path)[0]}
+    assert "rec-ok" in replayed and not {"rec-4xx", "rec-5xx", "rec-slow"} & replayed
+
+
 def test_upstream_5xx_becomes_502_with_the_workers_status_and_body(fleet):
     gw, _, _ = fleet
     for stream in (False, True):
@@ -154,8 +187,8 @@ def test_upstream_5xx_becomes_502_with_the_workers_status_and_body(fleet):
         error = r.json()["error"]
         assert error["type"] == "upstream_error" and error["code"] == 502
         assert "answered 500" in error["message"] and "failed on purpose" in error["message"]
-        # The call ended in the policy: nothing left in flight.
-        assert gw.programs()[f"fail-{stream}"]["in_flight"] == 0
+        # The call ended in the policy, and its program, which never ran, with it.
+        assert f"fail-{stream}" not in gw.programs()
 
 
 def test_upstream_4xx_is_passed_through_unchanged(fleet):
@@ -164,7 +197,7 @@ def test_upstream_4xx_is_passed_through_unchanged(fleet):
                        headers={"x-session-id": "bad-req", "x-test-status": "400"})
     assert r.status_code == 400
     assert "failed on purpose" in r.json()["error"]["message"]
-    assert gw.programs()["bad-req"]["in_flight"] == 0
+    assert "bad-req" not in gw.programs()  # refused: no program left behind
 
 
 def test_upstream_timeout_becomes_504(fleet):
@@ -183,7 +216,7 @@ def test_connection_refused_becomes_502_json():
         assert r.status_code == 502
         error = r.json()["error"]
         assert error["type"] == "upstream_error" and "cannot reach worker dead" in error["message"]
-        assert gw.programs()["x"]["in_flight"] == 0
+        assert "x" not in gw.programs()
 
 
 def test_malformed_json_is_400(fleet):
@@ -312,4 +345,4 @@ def test_stream_broken_by_the_worker_ends_with_an_error_event(fleet):
     assert got.count(b"data: ") == 4 and b"[DONE]" not in got
     last = json.loads(_events(got)[-1][len(b"data: "):])
     assert last["error"]["code"] == 502 and "broke off the response" in last["error"]["message"]
-    assert gw.programs()["cut"]["in_flight"] == 0
+    assert "cut" not in gw.programs()

@@ -26,6 +26,7 @@ from scheduler.config import PolicyConfig, section_class
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scheduler.policies import POLICIES, make_policy
+from scheduler.policies.base import NEVER_RAN
 from scheduler.programs import Phase
 
 EPS = 1e-9
@@ -273,10 +274,12 @@ class Run:
             return
         self.now += 0.01
         rid = list(self.held)[p % len(self.held)]
-        del self.held[rid]
+        session, _ = self.held.pop(rid)
         actions = self.policy.on_abort(rid, self.now)
-        assert actions == []
-        self.log.append(("abort_held", rid))
+        # nothing but the release of a program that never ran (its only call was this one)
+        assert all(isinstance(a, Release) and a.session_id == session and a.reason == NEVER_RAN
+                   for a in actions), actions
+        self.absorb("abort_held", rid, actions)
 
     def op_kv_store(self, w: int, s: int, hashes: list[int]) -> None:
         event = BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],

@@ -18,12 +18,14 @@ from starlette.datastructures import Headers
 
 import controller.identity as identity_module
 import scheduler.coordinates as coordinates
+from controller.conversations import Answer, AnswerKey, answer_fingerprint
 from controller.identity import (
     Identity,
     IdentityError,
     estimate_tokens,
     resolve_identity,
 )
+from scheduler.calls import CallHints
 from scheduler.coordinates import SessionId, canonical, mint_chain
 
 from tests.support.chat_messages import ASSISTANT, SYSTEM, TOOL, TOOLS, USER
@@ -51,26 +53,53 @@ def resolve(headers=None, body=None, route=CHAT, lookup=None):
 
 # -- every source, in order ------------------------------------------------------------------
 
-# (kind, name, value as carried, expected session id, expected source)
+# (kind, name, value as carried, expected session id, expected source); a body name with dots
+# is a path into nested objects. The order is identity.SOURCE_ORDER's.
 SOURCES = [
+    ("body", "vllm_xargs.agentic_context.program_id", "ac-1", "ac-1",
+     "body.vllm_xargs.agentic_context"),
+    ("body", "nvext.agent_context.trajectory_id", "traj-1", "traj-1", "body.nvext.agent_context"),
+    ("body", "agent_hint.session_id", "hint-1", "hint-1", "body.agent_hint"),
     ("header", "x-dynamo-session-id", "dyn-1", "dyn-1", "x-dynamo-session-id"),
     ("header", "x-claude-code-session-id", "cc-1", "cc-1", "x-claude-code-session-id"),
+    ("header", "session-id", "oc-1", "oc-1", "session-id"),
     ("header", "thread-id", "codex-1", "codex-1", "thread-id"),
     ("header", "x-session-id", "xs-1", "xs-1", "x-session-id"),
     ("body", "session_id", "bs-1", "bs-1", "body.session_id"),
     ("body", "program_id", "prog-1", "prog-1", "body.program_id"),
+    ("body", "metadata.user_id", "user-1", "user-1", "body.metadata.user_id"),
     ("body", "prompt_cache_key", "pck-1", "pck-1", "body.prompt_cache_key"),
     ("body", "previous_response_id", "resp_1", "from-resp-1", "body.previous_response_id"),
     ("body", "conversation", "conv_1", "conv_1", "body.conversation"),
 ]
 KNOWN_RESPONSES = {"resp_1": SessionId("from-resp-1")}
+LOOKED_UP_AT = [s[1] for s in SOURCES].index("previous_response_id")
+
+
+def put(body, path, value):
+    """Set ``body``'s value at a dotted ``path``, copying the objects on the way."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        body[head] = value
+        return
+    inner = dict(body.get(head) or {})
+    put(inner, rest, value)
+    body[head] = inner
 
 
 def request_with(sources, base_body=None):
     headers, body = {}, dict(base_body or chat_body())
     for kind, name, value, *_ in sources:
-        (headers if kind == "header" else body)[name] = value
+        if kind == "header":
+            headers[name] = value
+        else:
+            put(body, name, value)
     return headers, body
+
+
+def test_the_sources_here_are_the_modules_order():
+    assert tuple(s[4] if s[0] == "body" else s[1] for s in SOURCES) + ("content",) == (
+        identity_module.SOURCE_ORDER)
 
 
 @pytest.mark.parametrize("kind, name, value, expected, source", SOURCES,
@@ -104,7 +133,7 @@ def test_invalid_later_sources_are_ignored_once_an_earlier_one_is_present(positi
         if later_kind == "header":
             headers[later_name] = "bad\x00id"
         else:
-            body[later_name] = 12345  # not a string
+            put(body, later_name, 12345)  # not a string
     calls = []
     def lookup(rid):
         calls.append(rid)
@@ -112,7 +141,7 @@ def test_invalid_later_sources_are_ignored_once_an_earlier_one_is_present(positi
 
     ident, _ = resolve(headers, body, lookup=lookup)
     assert (ident.session_id, ident.source) == (expected, source)
-    if position < 7:  # previous_response_id comes later: never looked up
+    if position < LOOKED_UP_AT:  # previous_response_id comes later: never looked up
         assert calls == []
 
 
@@ -696,3 +725,201 @@ def test_a_long_conversation_is_serialised_at_most_twice(monkeypatch):
     ident, _ = resolve({}, body)  # the content-derived id too
     assert ident.source == "content"
     assert sum(serialised) <= 2 * body_bytes
+
+
+# -- agent contexts: vllm-router's agentic_context, Dynamo's nvext, agent_hint ---------------
+
+
+def test_agentic_context_names_program_parent_group_and_hints():
+    context = {"program_id": "task-a:researcher", "session_id": "session-a", "task_id": "task-a",
+               "parent_program_id": "task-a:lead", "root_program_id": "task-a:lead",
+               "priority": 10, "deadline_seconds": 30, "expected_output_length": 2048,
+               "kv_retention_ttl_seconds": 5.5}
+    ident, forward = resolve(body=chat_body(vllm_xargs={"agentic_context": context, "other": 1}))
+    assert (ident.session_id, ident.source) == ("task-a:researcher", "body.vllm_xargs.agentic_context")
+    assert ident.parent_session_id == "task-a:lead"
+    assert ident.group_id == "task-a"
+    assert ident.hints == CallHints(priority=10, deadline_s=30.0, expected_output_tokens=2048,
+                                    retention_ttl_s=5.5)
+    # the engine gets neither the context (vLLM's xargs take flat values only) nor less
+    assert forward["vllm_xargs"] == {"other": 1}
+
+
+def test_agentic_context_without_program_id_uses_its_session_id_and_the_root_as_group():
+    context = {"session_id": "s-1", "root_program_id": "root-1"}
+    ident, forward = resolve(body=chat_body(vllm_xargs={"agentic_context": context}))
+    assert (ident.session_id, ident.group_id, ident.hints) == ("s-1", "root-1", None)
+    assert "vllm_xargs" not in forward
+
+
+def test_a_group_that_is_the_program_itself_is_no_group():
+    context = {"program_id": "lead", "root_program_id": "lead"}
+    ident, _ = resolve(body=chat_body(vllm_xargs={"agentic_context": context}))
+    assert ident.group_id is None
+
+
+def test_dynamo_agent_context_trajectory_is_the_program_and_its_session_the_group():
+    nvext = {"agent_context": {"session_type_id": "deep_research", "session_id": "run-42",
+                               "trajectory_id": "run-42:researcher",
+                               "parent_trajectory_id": "run-42:planner"},
+             "agent_hints": {"priority": 5, "osl": 1024}, "other": True}
+    ident, forward = resolve(body=chat_body(nvext=nvext))
+    assert (ident.session_id, ident.source) == ("run-42:researcher", "body.nvext.agent_context")
+    assert (ident.parent_session_id, ident.group_id) == ("run-42:planner", "run-42")
+    assert ident.hints == CallHints(priority=5, expected_output_tokens=1024)
+    assert forward["nvext"] == {"other": True}
+
+
+def test_dynamo_workflow_schema_and_a_context_with_only_its_run():
+    newer = {"agent_context": {"workflow_id": "wf", "program_id": "wf:p", "parent_program_id": "wf:q"}}
+    ident, _ = resolve(body=chat_body(nvext=newer))
+    assert (ident.session_id, ident.parent_session_id, ident.group_id) == ("wf:p", "wf:q", "wf")
+    run_only, forward = resolve(body=chat_body(nvext={"agent_context": {"session_id": "run-7"}}))
+    assert (run_only.session_id, run_only.group_id) == ("run-7", None)
+    assert "nvext" not in forward
+
+
+def test_agent_hint_names_the_program_and_its_parent():
+    hint = {"session_id": "sub-1", "parent_session_id": "main-1", "blocks_parent": True}
+    ident, forward = resolve(body=chat_body(agent_hint=hint))
+    assert (ident.session_id, ident.source, ident.parent_session_id) == (
+        "sub-1", "body.agent_hint", "main-1")
+    assert "agent_hint" not in forward
+
+
+def test_hints_come_from_the_agentic_context_before_dynamos_and_alone_name_no_program():
+    body = chat_body(vllm_xargs={"agentic_context": {"priority": 3}},
+                     nvext={"agent_hints": {"priority": 9, "osl": 64}})
+    ident, _ = resolve({"x-session-id": "s"}, body)
+    assert (ident.session_id, ident.source) == ("s", "x-session-id")
+    assert ident.hints == CallHints(priority=3, expected_output_tokens=64)
+
+
+@pytest.mark.parametrize("where, key, value, source", [
+    ("agentic", "priority", "high", "body.vllm_xargs.agentic_context.priority"),
+    ("agentic", "priority", True, "body.vllm_xargs.agentic_context.priority"),
+    ("agentic", "priority", 2**31, "body.vllm_xargs.agentic_context.priority"),
+    ("agentic", "deadline_seconds", -1, "body.vllm_xargs.agentic_context.deadline_seconds"),
+    ("agentic", "deadline_seconds", "soon", "body.vllm_xargs.agentic_context.deadline_seconds"),
+    ("agentic", "expected_output_length", -5,
+     "body.vllm_xargs.agentic_context.expected_output_length"),
+    ("agentic", "kv_retention_ttl_seconds", 1e300,
+     "body.vllm_xargs.agentic_context.kv_retention_ttl_seconds"),
+    ("agentic", "program_id", 7, "body.vllm_xargs.agentic_context.program_id"),
+    ("dynamo", "osl", 1.5, "body.nvext.agent_hints.osl"),
+])
+def test_invalid_context_fields_are_refused_naming_them(where, key, value, source):
+    if where == "agentic":
+        body = chat_body(vllm_xargs={"agentic_context": {"program_id": "p", key: value}})
+    else:
+        body = chat_body(nvext={"agent_hints": {key: value}})
+    with pytest.raises(IdentityError) as info:
+        resolve(body=body)
+    assert info.value.source == source
+
+
+@pytest.mark.parametrize("body, source", [
+    (chat_body(vllm_xargs={"agentic_context": "p"}), "body.vllm_xargs.agentic_context"),
+    (chat_body(nvext=[1]), "body.nvext"),
+    (chat_body(nvext={"agent_context": 3}), "body.nvext.agent_context"),
+    (chat_body(agent_hint="x"), "body.agent_hint"),
+])
+def test_contexts_that_are_not_objects_are_refused(body, source):
+    with pytest.raises(IdentityError) as info:
+        resolve(body=body)
+    assert info.value.source == source
+
+
+# -- Anthropic metadata.user_id ----------------------------------------------------------------
+
+
+def test_claude_codes_json_user_id_names_its_session():
+    user_id = json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "0c6f-sess"})
+    ident, forward = resolve(body={"model": "m", "max_tokens": 8, "metadata": {"user_id": user_id},
+                                   "messages": [USER]}, route=MESSAGES)
+    assert (ident.session_id, ident.source) == ("0c6f-sess", "body.metadata.user_id")
+    assert forward["metadata"] == {"user_id": user_id}  # Anthropic's own field: forwarded
+
+
+def test_legacy_claude_code_user_id_names_its_session_and_a_plain_one_is_taken_as_is():
+    legacy = "user_" + "a" * 64 + "_account__session_3f2b1c9e-1111-4222-8333-944445555666"
+    ident, _ = resolve(body=chat_body(metadata={"user_id": legacy}))
+    assert ident.session_id == "3f2b1c9e-1111-4222-8333-944445555666"
+    plain, _ = resolve(body=chat_body(metadata={"user_id": "run-17"}))
+    assert plain.session_id == "run-17"
+
+
+@pytest.mark.parametrize("user_id", [7, "", "x" * 300, json.dumps({"device_id": "d"}) + "x" * 300])
+def test_a_user_id_that_is_no_valid_id_is_ignored_not_refused(user_id):
+    ident, _ = resolve(body=chat_body(metadata={"user_id": user_id}))
+    assert ident.source == "content"
+
+
+# -- calls without identity: the answer a call carries on from -----------------------------------
+
+
+def test_an_opening_call_continues_nothing_and_its_group_is_its_opening():
+    ident, _ = resolve(body=chat_body(SYSTEM, USER))
+    assert ident.continues is None
+    assert ident.group_id == ident.session_id and CONTENT_ID.fullmatch(ident.group_id)
+
+
+def test_a_chat_call_continues_its_last_assistant_turn_after_the_prompt_before_it():
+    answer = {"role": "assistant", "content": "  Sure:\n  step one ",
+              "tool_calls": [{"id": "call_1", "type": "function",
+                              "function": {"name": "ls", "arguments": "{}"}}]}
+    first, _ = resolve(body=chat_body(SYSTEM, USER))
+    later, _ = resolve(body=chat_body(SYSTEM, USER, answer, TOOL))
+    assert later.continues == AnswerKey(first.chain.head,
+                                        answer_fingerprint(Answer(("  Sure:\n  step one ",), ("call_1",))))
+    assert later.group_id == first.group_id
+
+
+def test_a_final_assistant_message_is_a_prefill_not_an_answer_carried_back():
+    reply = {"role": "assistant", "content": "one"}
+    prefill = {"role": "assistant", "content": "Answer: "}
+    with_prefill, _ = resolve(body=chat_body(SYSTEM, USER, reply, USER, prefill))
+    without, _ = resolve(body=chat_body(SYSTEM, USER, reply, USER))
+    assert with_prefill.continues == without.continues is not None
+    only_prefill, _ = resolve(body=chat_body(SYSTEM, USER, prefill))
+    assert only_prefill.continues is None
+
+
+def test_a_responses_answer_is_the_run_of_output_items_before_the_tool_output():
+    items = [{"role": "user", "content": "go"},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "looking"}]},
+             {"type": "function_call", "id": "fc_1", "call_id": "call_9", "name": "ls",
+              "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_9", "output": "a b"}]
+    first, _ = resolve(body={"model": "m", "instructions": "be brief", "input": items[:1]},
+                       route=RESPONSES)
+    later, _ = resolve(body={"model": "m", "instructions": "be brief", "input": items},
+                       route=RESPONSES)
+    assert later.continues == AnswerKey(first.chain.head,
+                                        answer_fingerprint(Answer(("looking",), ("call_9",))))
+
+
+def test_a_messages_answer_is_its_text_and_tool_use_ids_not_its_thinking():
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_01", "name": "ls", "input": {}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                           "content": "a b", "cache_control": {"type": "ephemeral"}}]}
+    first, _ = resolve(body={"model": "m", "max_tokens": 9, "system": "sys",
+                             "messages": [USER]}, route=MESSAGES)
+    later, _ = resolve(body={"model": "m", "max_tokens": 9, "system": "sys",
+                             "messages": [USER, turn, result]}, route=MESSAGES)
+    assert later.continues == AnswerKey(first.chain.head,
+                                        answer_fingerprint(Answer(("Let me look.",), ("toolu_01",))))
+
+
+def test_an_answers_fingerprint_is_its_tool_ids_else_its_text_without_whitespace():
+    assert answer_fingerprint(Answer(("a b\n",), ())) == answer_fingerprint(Answer(("ab",), ()))
+    assert answer_fingerprint(Answer(("ab",), ())) != answer_fingerprint(Answer(("ac",), ()))
+    assert answer_fingerprint(Answer(("x",), ("id1",))) == answer_fingerprint(Answer(("y",), ("id1",)))
+    assert answer_fingerprint(Answer((), ("id1",))) != answer_fingerprint(Answer((), ("id2",)))
+    # a text that happens to spell a tool id is not that tool call
+    assert answer_fingerprint(Answer(("id1",), ())) != answer_fingerprint(Answer((), ("id1",)))

@@ -17,7 +17,7 @@ from scheduler.config import PolicyConfig
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import BlockStored, EventBatch
 from scheduler.policies import make_policy
-from scheduler.policies.base import UnknownCall
+from scheduler.policies.base import NEVER_RAN, UnknownCall
 from scheduler.policies.program_aware import ProgramAwarePolicy
 from scheduler.programs import IllegalTransition, Lifecycle, Phase
 
@@ -609,27 +609,43 @@ def test_no_new_program_on_unhealthy_worker() -> None:
 # -- aborts and guards -----------------------------------------------------------------------
 
 
-def test_abort_of_held_call_drops_it() -> None:
+def test_abort_of_held_call_drops_it_and_a_program_that_never_ran_goes_with_it() -> None:
     d = Driver(make({"w0": None}, idle_release_s=50.0))
     assert isinstance(d.arrive("n", 10, now=0.0), Hold)
-    assert d.p.on_abort("n#1", 1.0) == []
+    assert d.p.on_abort("n#1", 1.0) == [Release("n", None, NEVER_RAN)]
     assert "n#1" not in d.p.calls
-    assert d.p.programs["n"].waiting == []
+    assert "n" not in d.p.programs  # nothing of it ran: not kept until idle_release_s
     d.p.set_capacity("w0", CAP)
     assert of(d.p.tick(2.0), Admit) == []
-    # The abandoned program is not kept forever: it goes like any idle one.
+
+
+def test_an_aborted_call_of_a_program_that_ran_keeps_it_until_it_is_idle() -> None:
+    d = Driver(make(idle_release_s=50.0))
+    d.acting("n", 100, now=0.0)
+    again = d.arrive("n", 120, now=2.0)
+    assert isinstance(again, Admit)  # active: goes home
+    assert of(d.p.on_abort(again.request_id, 3.0), Release) == []
     assert "n" in d.p.programs
     d.p.tick(60.0)
     assert "n" not in d.p.programs
 
 
+def test_an_aborted_first_call_releases_its_program_with_its_worker() -> None:
+    d = Driver(make())
+    first = d.arrive("n", 100, now=0.0)
+    assert isinstance(first, Admit)
+    assert d.p.on_abort(first.request_id, 1.0) == [Release("n", first.worker, NEVER_RAN)]
+    assert "n" not in d.p.programs and d.u() == 0
+
+
 def test_abort_of_in_flight_call_frees_its_demand() -> None:
     d = Driver(make())
+    d.acting("a", 100)
     call = d.arrive("a", 300)
     assert d.u() == pytest.approx(0.30)
     d.p.on_abort(call.request_id, 1.0)
     assert d.p.programs["a"].phase is Phase.ACTING
-    assert d.u() == 0.0
+    assert d.u() == pytest.approx(0.10)  # its context stays; the call's demand went
 
 
 def test_completing_a_call_twice_raises_unknown_call() -> None:
