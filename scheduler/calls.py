@@ -28,6 +28,11 @@ class CallHints:
     expected_output_tokens: int | None = None
     retention_ttl_s: float | None = None
 
+    def growth_reserve(self, default: int) -> int:
+        """Tokens the call may still add while it runs: the client's expectation, else
+        ``default``."""
+        return default if self.expected_output_tokens is None else self.expected_output_tokens
+
     def __post_init__(self) -> None:
         if self.deadline_s is not None and not self.deadline_s >= 0:
             raise ValueError(f"deadline_s must be ≥ 0, got {self.deadline_s}")
@@ -62,6 +67,10 @@ class CallRequest:
     final: bool = False
     group_id: SessionId | None = None
     hints: CallHints | None = None
+
+    def growth_reserve(self, default: int) -> int:
+        """Tokens this call may still add while it runs (:meth:`CallHints.growth_reserve`)."""
+        return default if self.hints is None else self.hints.growth_reserve(default)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:

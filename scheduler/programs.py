@@ -54,6 +54,11 @@ class Program:
     last_activity: float = 0.0
     chain: ContinuationChain | None = None
     chain_tokens: tuple[int, ...] | None = None
+    # programs that belong together (a GRPO group, a task's runs, a tree under its root)
+    group_id: SessionId | None = None
+    # from the client's hints on its latest call (scheduler.calls.CallHints)
+    priority: int = 0
+    retention_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         self.last_activity = self.created_at
@@ -174,6 +179,15 @@ class Program:
         self.home_worker = None
         if self.lifecycle is Lifecycle.ACTIVE:
             self.lifecycle = Lifecycle.PENDING
+
+    def note_call(self, request: CallRequest) -> None:
+        """A call of this program arrived: keep what it says about the program (its group the
+        first time one is named; the client's priority and retention TTL, as of this call)."""
+        if self.group_id is None:
+            self.group_id = request.group_id
+        hints = request.hints
+        self.priority = hints.priority if hints is not None else 0
+        self.retention_ttl_s = hints.retention_ttl_s if hints is not None else None
 
     def hold(self, request_id: str, now: float) -> None:
         """A call arrived that may not run yet (program PENDING or PAUSED)."""

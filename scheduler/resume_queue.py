@@ -1,7 +1,8 @@
 """The order in which parked programs are resumed (architecture.md §3 "Resume").
 
 Groups first (a paused program with a waiting call, then a new program, then an idle
-paused one); inside a group, smallest first with aging: a program's size counts half for
+paused one); inside a group, the client's higher priority first (``CallHints.priority``, 0
+when it said none); then smallest first with aging: a program's size counts half for
 every ``halflife_s`` it has waited. Comparing ``size·2^(−waited/h)`` between programs is
 the same as comparing ``log2(size) + parked_since/h``, which does not change with time, so
 the queue stays sorted between ticks instead of being re-sorted on each one.
@@ -28,9 +29,9 @@ class ResumeQueue:
         if halflife_s <= 0:
             raise ValueError(f"halflife_s must be > 0, got {halflife_s}")
         self._halflife_s = halflife_s
-        self._keys: dict[str, tuple[int, float, str]] = {}
+        self._keys: dict[str, tuple[int, int, float, str]] = {}
         self._demand: dict[str, int] = {}
-        self._order: list[tuple[int, float, str]] = []
+        self._order: list[tuple[int, int, float, str]] = []
         self._smallest: list[tuple[int, str]] = []  # lazy min-heap of (demand, session)
         # lazy max-heap of (-demand, session) over programs with a call waiting
         self._largest_waiting: list[tuple[int, str]] = []
@@ -47,10 +48,12 @@ class ResumeQueue:
         """How many queued programs have a call waiting (groups WAITING and NEW)."""
         return self._with_calls
 
-    def put(self, session: str, group: int, demand: int, parked_since: float) -> None:
-        """Insert ``session`` or move it to its new place."""
+    def put(self, session: str, group: int, demand: int, parked_since: float,
+            priority: int = 0) -> None:
+        """Insert ``session`` or move it to its new place (``priority``: higher first)."""
         self.discard(session)
-        key = (group, math.log2(max(demand, 1)) + parked_since / self._halflife_s, session)
+        key = (group, -priority, math.log2(max(demand, 1)) + parked_since / self._halflife_s,
+               session)
         self._keys[session] = key
         self._demand[session] = demand
         insort(self._order, key)
@@ -99,7 +102,7 @@ class ResumeQueue:
 
     def in_order(self) -> Iterator[tuple[str, int]]:
         """(session, demand) in resume order; a snapshot, safe to change the queue while iterating."""
-        for _, _, session in list(self._order):
+        for *_, session in list(self._order):
             demand = self._demand.get(session)
             if demand is not None:
                 yield session, demand

@@ -65,6 +65,8 @@ class ProgramSpec:
     spawn_after_calls: int | None = None
     # call index → sessions that must all have ended before that call is sent
     waits_for: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # programs that are samples (or runs) of one task: the policy's group (CallRequest.group_id)
+    task_id: str | None = None
     _stream: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

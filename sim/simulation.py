@@ -464,6 +464,7 @@ class Simulation:
             chain_tokens=chain_tokens,
             block_hashes=tuple(hashes[:prompt_blocks]),
             final=final,
+            group_id=SessionId(spec.task_id) if spec.task_id is not None else None,
         )
         engine_request = EngineRequest(
             request_id=request_id,

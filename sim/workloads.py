@@ -386,6 +386,7 @@ class RlRolloutWorkload(_GrpoBatches):
             family=self.family_base + pid,
             shared_prefix_tokens=prompt,
             group=b,
+            task_id=f"task-{self.family_base + pid}",
         )
 
 
@@ -431,6 +432,7 @@ class RlSweWorkload(_GrpoBatches):
             family=self.family_base + pid,
             shared_prefix_tokens=prompt,
             group=b,
+            task_id=f"task-{self.family_base + pid}",
         )
 
 

@@ -75,6 +75,8 @@ class Policy(ABC):
         self.index = KVIndex()
         self.ledger = Ledger(self.token_weights(config), self.index)
         self.programs: dict[SessionId, Program] = {}
+        # group id -> its programs (CallRequest.group_id: a GRPO group, a task's runs, a tree)
+        self.groups: dict[SessionId, set[SessionId]] = {}
         self.calls: dict[str, Call] = {}
         self.stats = PolicyStats()
 
@@ -156,6 +158,9 @@ class Policy(ABC):
         if program is None:
             program = Program(request.session_id, now, request.parent_session_id)
             self.programs[request.session_id] = program
+        program.note_call(request)
+        if program.group_id is not None:
+            self.groups.setdefault(program.group_id, set()).add(program.session_id)
         call = Call(request, now)
         self.calls[request.request_id] = call
         decision = self.decide_arrival(program, call, now)
@@ -204,6 +209,12 @@ class Policy(ABC):
         program = self.programs.pop(session_id, None)
         if program is None:
             return []
+        if program.group_id is not None:
+            members = self.groups.get(program.group_id)
+            if members is not None:
+                members.discard(session_id)
+                if not members:
+                    del self.groups[program.group_id]
         for request_id in program.waiting:
             self.calls.pop(request_id, None)
         self.ledger.forget(session_id)
@@ -232,7 +243,7 @@ class Policy(ABC):
         elif program.home_worker != worker:
             program.move_home(worker)
         call.worker = worker
-        program.begin_call(call.request, self.config.growth_reserve_tokens, now)
+        program.begin_call(call.request, call.request.growth_reserve(self.config.growth_reserve_tokens), now)
         self.ledger.refresh(program)
         self.stats.admitted += 1
 

@@ -157,9 +157,20 @@ class ProgramAwarePolicy(Policy):
         decision = super().on_arrival(request, now)
         if not isinstance(decision, Admit):
             self._requeue(self.programs[request.session_id])
-            if self.config.max_wait_s is not None:
-                self._wait_deadlines.push((now + self.config.max_wait_s, request.request_id))
+            wait = self._longest_wait(request)
+            if wait is not None:
+                self._wait_deadlines.push((now + wait, request.request_id))
         return decision
+
+    def _longest_wait(self, request: CallRequest) -> float | None:
+        """How long a held call may wait before it goes ahead: ``max_wait_s``, shortened by
+        the client's deadline (``CallHints.deadline_s``); None: until there is room."""
+        deadline = request.hints.deadline_s if request.hints is not None else None
+        if deadline is None:
+            return self.config.max_wait_s
+        if self.config.max_wait_s is None:
+            return deadline
+        return min(deadline, self.config.max_wait_s)
 
     def adaptive_settings(self) -> dict[str, float]:
         cutoff = self.tool_time_cutoff()
@@ -179,7 +190,8 @@ class ProgramAwarePolicy(Policy):
         if program.in_flight:
             return []
         self._parking.note_idle(program, now)
-        cutoff = self.tool_time_cutoff()
+        # the client's retention TTL says how long this tool call keeps the KV worth holding
+        cutoff = program.retention_ttl_s if program.retention_ttl_s is not None else self.tool_time_cutoff()
         if cutoff is not None and program.active and program.acting_since is not None:
             self._dormancy_checks.push((program.acting_since + cutoff, program.session_id,
                                         program.acting_since))
@@ -408,6 +420,7 @@ class ProgramAwarePolicy(Policy):
             parent = self.programs.get(program.parent_session_id)
             if parent is not None:
                 preferred.append(parent.home_worker)
+
         for worker in preferred:
             if worker is not None and self._open_to(worker, program) and self._resumable(worker, program, weighted):
                 return worker
@@ -577,7 +590,8 @@ class ProgramAwarePolicy(Policy):
 
     def _route_new(self, program: Program, call: Call) -> str | None:
         request = call.request
-        demand = max(program.demand_tokens(), request.prompt_tokens + self.config.growth_reserve_tokens)
+        demand = max(program.demand_tokens(),
+                     request.prompt_tokens + request.growth_reserve(self.config.growth_reserve_tokens))
         if self.config.retention.host_tier:
             self._count_homed_tokens()  # arrivals come between ticks
         if program.parent_session_id is not None:
@@ -613,9 +627,40 @@ class ProgramAwarePolicy(Policy):
         """The call's prompt tokens already resident on ``worker``, as a share of the
         worker's capacity: the same unit as ``U``, so credit and load trade off token for
         token. (A share of the *prompt* would let a system prompt cached everywhere outweigh
-        any load difference and pile new programs onto the first worker that cached it.)"""
+        any load difference and pile new programs onto the first worker that cached it.)
+        Besides what the index knows, the prompt a group sibling running there shares with
+        the call counts (:meth:`_sibling_prefix`)."""
         capacity = self.ledger.worker(worker).capacity_tokens
-        return self.resident_prefix(worker, call) / capacity if capacity else 0.0
+        if not capacity:
+            return 0.0
+        resident = self.resident_prefix(worker, call)
+        request = call.request
+        if request.group_id is not None and resident < request.prompt_tokens:
+            resident = max(resident, self._sibling_prefix(worker, call))
+        return resident / capacity
+
+    def _sibling_prefix(self, worker: str, call: Call) -> int:
+        """Prompt tokens the call shares with an active program of its group homed on
+        ``worker`` (by their continuation chains): the samples of one GRPO prompt arrive
+        together, before the engine has reported any of their blocks, and without this they
+        would scatter by load alone, each prefilling the shared prompt on its own worker.
+        (The simulator publishes a step's KV events as it starts, so there the index knows
+        a sibling's blocks already and this adds nothing: rl_swe CC512 measured the same to
+        the token with and without it; the gateway hears them milliseconds later.)"""
+        request = call.request
+        chain, tokens = request.chain, request.chain_tokens
+        if chain is None or tokens is None:
+            return 0
+        best = 0
+        for session in self.groups.get(request.group_id, ()):  # type: ignore[arg-type]
+            sibling = self.programs[session]
+            if (session == request.session_id or sibling.home_worker != worker
+                    or not sibling.active or sibling.chain is None):
+                continue
+            shared = chain.common_prefix_len(sibling.chain)
+            if shared:
+                best = max(best, tokens[shared - 1])
+        return min(best, request.prompt_tokens)
 
     def _threshold(self, worker: str, newcomer: int = 0) -> float:
         """The pause threshold of ``worker`` (what placing ``newcomer`` tokens more there
@@ -696,7 +741,7 @@ class ProgramAwarePolicy(Policy):
         else:
             group = IDLE
             demand = int(demand * self.config.acting_token_weight)
-        self._queue.put(session, group, demand, since)
+        self._queue.put(session, group, demand, since, program.priority)
 
     # -- which lazily validated deadlines still matter (see DeadlineHeap) --------------------
 

@@ -44,6 +44,8 @@ BOUNDS: dict[str, str] = {
     # every policy (base.Policy): the program and call tables, the ledger, the KV index
     "programs": LIVE,
     "calls": LIVE,
+    "groups": LIVE,  # group id -> its live programs
+    "groups.values": LIVE,
     "ledger._workers": WORKER,
     "ledger._workers.values.programs": LIVE,
     "ledger._workers.values.ancestry_counts": LIVE,  # chain nodes of live programs (none here)
@@ -196,7 +198,11 @@ class Life:
             self.seq += 1
             rid = f"r{self.seq}"
             final = self.rng.random() < 0.08
-            request = CallRequest(rid, sid, self.rng.choice([300, 900, 1_500, 2_500]), final=final)
+            # programs come in groups of three (a GRPO group, a task's runs): the group index
+            # must let go of each as it ends
+            group = SessionId(f"g{int(sid[1:].partition('.')[0]) // 3}")
+            request = CallRequest(rid, sid, self.rng.choice([300, 900, 1_500, 2_500]), final=final,
+                                  group_id=group)
             self.live.add(sid)
             if final:
                 self.final_calls.add(rid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
-from scheduler.calls import CallRequest, Usage
+from scheduler.calls import CallHints, CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import BlockStored, EventBatch
@@ -897,3 +897,74 @@ def test_an_overdue_call_goes_at_the_first_tick_after_a_worker_comes_back() -> N
     d.p.set_worker_health("w0", True, 31.5)
     # the next tick comes sooner than tick_interval_s: the call must not wait for a retry slot
     assert [a.request_id for a in of(d.p.tick(32.0), Admit)] == ["n#1"]
+
+
+# -- the client's hints (scheduler.calls.CallHints) ------------------------------------------
+
+
+def test_a_clients_deadline_shortens_max_wait_s() -> None:
+    d = Driver(make(max_wait_s=30.0, resume_priority_boost_s=0.0))
+    _full_w0_with_paused(d, "p", 160, now=10.0)
+    assert isinstance(d.arrive("p", 160, now=20.0, hints=CallHints(deadline_s=5.0)), Hold)
+    assert of(d.p.tick(24.9), Resume) == []
+    assert of(d.p.tick(25.0), Resume) == [Resume("p", "w0", True)]
+
+
+def test_a_clients_deadline_bounds_a_wait_that_max_wait_s_leaves_unbounded() -> None:
+    d = Driver(make(max_wait_s=None, resume_priority_boost_s=0.0))
+    _full_w0_with_paused(d, "p", 160, now=10.0)
+    assert isinstance(d.arrive("p", 160, now=20.0, hints=CallHints(deadline_s=100.0)), Hold)
+    assert of(d.p.tick(119.0), Resume) == []
+    assert of(d.p.tick(120.0), Resume) == [Resume("p", "w0", True)]
+
+
+def test_expected_output_length_replaces_the_growth_reserve_in_a_calls_demand() -> None:
+    d = Driver(make(growth_reserve_tokens=200))
+    d.arrive("a", 100)
+    assert d.u() == pytest.approx(0.30)
+    d.arrive("b", 100, hints=CallHints(expected_output_tokens=20))
+    assert d.u() == pytest.approx(0.30 + 0.12)
+
+
+def test_among_programs_waiting_for_room_the_clients_higher_priority_resumes_first() -> None:
+    d = Driver(make(resume_priority_boost_s=0.0))
+    d.acting("big", 900)
+    assert isinstance(d.arrive("low", 100, now=1.0), Hold)  # smaller: first without priorities
+    assert isinstance(d.arrive("high", 150, now=2.0, hints=CallHints(priority=5)), Hold)
+    d.finish(d.arrive("big", 900, now=3.0).request_id, 650, now=4.0)  # room for one of them
+    admitted = of(d.p.tick(5.0), Admit)
+    assert [a.session_id for a in admitted] == ["high"]
+
+
+def test_a_clients_retention_ttl_is_its_programs_dormancy_cutoff_for_that_tool_call() -> None:
+    d = Driver(make(dormant_quantile=None))
+    d.acting("a", 600, now=0.0, hints=CallHints(retention_ttl_s=4.0))
+    d.p.tick(3.9)
+    assert not d.p.ledger.is_dormant("a")
+    d.p.tick(4.0)
+    assert d.p.ledger.is_dormant("a")
+
+
+# -- groups (CallRequest.group_id) ------------------------------------------------------------
+
+
+def test_a_new_program_joins_a_sibling_of_its_group_that_shares_its_prompt() -> None:
+    chain = mint_chain("m", None, None, [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}])
+    tokens = (0, 150, 300)
+    group = SessionId("task-1")
+    for grouped in (False, True):
+        d = Driver(make({"w0": CAP, "w1": CAP}))
+        d.reasoning("other", 100)  # on w0
+        sibling = d.arrive("s1", 300, chain=chain, chain_tokens=tokens,
+                           group_id=group if grouped else None)
+        assert sibling.worker == "w1"  # the emptier one
+        assert (d.u("w0"), d.u("w1")) == (pytest.approx(0.10), pytest.approx(0.30))
+        sample = d.arrive("s2", 300, chain=chain, chain_tokens=tokens,
+                          group_id=group if grouped else None)
+        # without the group it goes by load; with it, the 300 prompt tokens it shares with
+        # s1 count as resident on w1: credit 0.30 − U 0.30 beats 0 − 0.10
+        assert sample.worker == ("w1" if grouped else "w0"), grouped
+    assert d.p.groups == {group: {"s1", "s2"}}
+    d.p.release(SessionId("s1"), 1.0, "test")
+    d.p.release(SessionId("s2"), 1.0, "test")
+    assert d.p.groups == {}
