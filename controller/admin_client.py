@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -63,16 +64,16 @@ class SluiceAdmin:
         return self._call("POST", "/sluice/workers", json=entry)
 
     def drain(self, name: str) -> dict[str, Any]:
-        return self._call("POST", f"/sluice/workers/{name}/drain")
+        return self._call("POST", f"{_worker_path(name)}/drain")
 
     def sleep(self, name: str) -> dict[str, Any]:
-        return self._call("POST", f"/sluice/workers/{name}/sleep")
+        return self._call("POST", f"{_worker_path(name)}/sleep")
 
     def wake(self, name: str) -> dict[str, Any]:
-        return self._call("POST", f"/sluice/workers/{name}/wake")
+        return self._call("POST", f"{_worker_path(name)}/wake")
 
     def remove(self, name: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/sluice/workers/{name}")
+        return self._call("DELETE", _worker_path(name))
 
     def wait_idle(self, names: Iterable[str], timeout_s: float = 600.0,
                   poll_s: float = 0.2) -> None:
@@ -97,3 +98,9 @@ class SluiceAdmin:
                 message = response.text
             raise AdminError(response.status_code, message)
         return response.json()
+
+
+def _worker_path(name: str) -> str:
+    # A data-parallel rank's worker is named "<worker>#dp<rank>": unquoted, "#" would start
+    # the URL's fragment.
+    return f"/sluice/workers/{quote(name, safe='')}"
