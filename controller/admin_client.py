@@ -1,6 +1,7 @@
 """A Python client of the gateway's admin API (``/sluice/*``), for operators' scripts and
 RL trainers: list the fleet and its programs, add, drain, put to sleep, wake and remove
-workers at run time.
+workers at run time. A worker added here is wired as a configured one is (KV events,
+directives, capacity, health); removing it closes all of that.
 
 A weight sync with it (every engine sleeps while the trainer updates it)::
 
@@ -57,10 +58,17 @@ class SluiceAdmin:
 
     # -- membership ------------------------------------------------------------------------
 
-    def add_worker(self, name: str, url: str, capacity_tokens: int | None = None) -> dict[str, Any]:
+    def add_worker(self, name: str, url: str, capacity_tokens: int | None = None, *,
+                   kv_events: str | None = None, replay: str | None = None,
+                   kv_topic: str | None = None, directives: str | None = None) -> dict[str, Any]:
+        """Add a worker, wired as one in the config's ``workers:`` is: its KV events (its
+        own ``kv_events`` endpoint, else the gateway's ``kv_events_bind`` socket) caught up
+        from ``replay``, its ``directives`` socket, its capacity from ``/metrics`` unless
+        given. Returns its name, mode, health and wiring."""
         entry: dict[str, Any] = {"name": name, "url": url}
-        if capacity_tokens is not None:
-            entry["capacity_tokens"] = capacity_tokens
+        optional = {"capacity_tokens": capacity_tokens, "kv_events": kv_events, "replay": replay,
+                    "kv_topic": kv_topic, "directives": directives}
+        entry.update({key: value for key, value in optional.items() if value is not None})
         return self._call("POST", "/sluice/workers", json=entry)
 
     def drain(self, name: str) -> dict[str, Any]:
