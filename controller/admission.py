@@ -112,6 +112,8 @@ class Admission:
         self._waiters: dict[str, _Waiter] = {}
         # Calls admitted to a worker whose completion or abort the policy has not heard yet.
         self._dispatched: set[str] = set()
+        # The workers entered in the policy (add_worker, not yet remove_worker).
+        self._workers: set[str] = set()
         self._tick_after = getattr(policy, "ticks_after_completion", True)
         self._adaptive_logged: dict[str, float] = {}
         self.refusals: dict[str, int] = {"max_programs": 0, "max_held_calls": 0, "max_hold_s": 0}
@@ -378,16 +380,19 @@ class Admission:
         """Enter ``worker`` in the policy's ledger and index; held calls may fit on it now."""
         async with self._lock:
             self.policy.add_worker(worker, capacity_tokens)
+            self._workers.add(worker)
             now = self._clock()
             self._carry_out(self._tick(now), now)  # held calls may fit on it now
 
     async def remove_worker(self, worker: str) -> None:
         """Take ``worker`` out of the policy (its ledger and index entries go); it must have
-        no call in flight. Its KV-event tasks must have stopped first: a batch applied
-        after this would find it gone (see :meth:`observe_kv`)."""
+        no call in flight. A KV batch of it that comes after this is dropped (see
+        :meth:`observe_kv`)."""
         async with self._lock:
             now = self._clock()
-            self._carry_out(self.policy.remove_worker(worker, now), now)
+            actions = self.policy.remove_worker(worker, now)
+            self._workers.discard(worker)
+            self._carry_out(actions, now)
 
     async def set_capacity(self, worker: str, capacity_tokens: int) -> None:
         async with self._lock:
@@ -400,7 +405,7 @@ class Admission:
         applied, when ``worker`` left the fleet while the batch waited for the lock (the
         index would otherwise take the worker back)."""
         async with self._lock:
-            if worker not in self.policy.ledger:
+            if worker not in self._workers:
                 return False
             self.policy.observe_kv(worker, batch)
             return True
@@ -409,7 +414,7 @@ class Admission:
         """Forget what the index knows of ``worker`` (engine restart, unrepairable gap); a
         worker no longer in the fleet has nothing left to forget."""
         async with self._lock:
-            if worker in self.policy.ledger:
+            if worker in self._workers:
                 self.policy.reset_worker_kv(worker)
 
     async def reconfigure(self, config: PolicyConfig) -> None:
