@@ -210,10 +210,10 @@ class Fleet:
             if in_flight:
                 raise MembershipError(f"worker {name!r} still has {in_flight} call(s) in flight; "
                                       "remove it once they finish")
-            try:
-                await record.close()
-            finally:
-                del self.records[name]  # close ran every step; a failing one propagates
+            # out of the listing first: the policy forgets it half-way through closing
+            # (close runs every step even when one fails; the failure propagates)
+            del self.records[name]
+            await record.close()
         self._log.info("worker removed", worker=name)
 
     async def aclose(self) -> None:
