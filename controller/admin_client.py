@@ -1,6 +1,7 @@
 """A Python client of the gateway's admin API (``/sluice/*``), for operators' scripts and
 RL trainers: list the fleet and its programs, add, drain, put to sleep, wake and remove
-workers at run time.
+workers at run time. A worker added here is wired as a configured one is (KV events,
+directives, capacity, health); removing it closes all of that.
 
 A weight sync with it (every engine sleeps while the trainer updates it)::
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -56,23 +58,30 @@ class SluiceAdmin:
 
     # -- membership ------------------------------------------------------------------------
 
-    def add_worker(self, name: str, url: str, capacity_tokens: int | None = None) -> dict[str, Any]:
+    def add_worker(self, name: str, url: str, capacity_tokens: int | None = None, *,
+                   kv_events: str | None = None, replay: str | None = None,
+                   kv_topic: str | None = None, directives: str | None = None) -> dict[str, Any]:
+        """Add a worker, wired as one in the config's ``workers:`` is: its KV events (its
+        own ``kv_events`` endpoint, else the gateway's ``kv_events_bind`` socket) caught up
+        from ``replay``, its ``directives`` socket, its capacity from ``/metrics`` unless
+        given. Returns its name, mode, health and wiring."""
         entry: dict[str, Any] = {"name": name, "url": url}
-        if capacity_tokens is not None:
-            entry["capacity_tokens"] = capacity_tokens
+        optional = {"capacity_tokens": capacity_tokens, "kv_events": kv_events, "replay": replay,
+                    "kv_topic": kv_topic, "directives": directives}
+        entry.update({key: value for key, value in optional.items() if value is not None})
         return self._call("POST", "/sluice/workers", json=entry)
 
     def drain(self, name: str) -> dict[str, Any]:
-        return self._call("POST", f"/sluice/workers/{name}/drain")
+        return self._call("POST", f"{_worker_path(name)}/drain")
 
     def sleep(self, name: str) -> dict[str, Any]:
-        return self._call("POST", f"/sluice/workers/{name}/sleep")
+        return self._call("POST", f"{_worker_path(name)}/sleep")
 
     def wake(self, name: str) -> dict[str, Any]:
-        return self._call("POST", f"/sluice/workers/{name}/wake")
+        return self._call("POST", f"{_worker_path(name)}/wake")
 
     def remove(self, name: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/sluice/workers/{name}")
+        return self._call("DELETE", _worker_path(name))
 
     def wait_idle(self, names: Iterable[str], timeout_s: float = 600.0,
                   poll_s: float = 0.2) -> None:
@@ -97,3 +106,9 @@ class SluiceAdmin:
                 message = response.text
             raise AdminError(response.status_code, message)
         return response.json()
+
+
+def _worker_path(name: str) -> str:
+    # A data-parallel rank's worker is named "<worker>#dp<rank>": unquoted, "#" would start
+    # the URL's fragment.
+    return f"/sluice/workers/{quote(name, safe='')}"

@@ -9,7 +9,7 @@ carries out what comes back; it decides nothing itself.
   (``ticks_after_completion``).
 - Actions: ``Admit`` wakes its waiter with the worker; ``Release`` refuses the released
   program's held calls (503) and, like ``Retain``/``Demote``, goes to the
-  :class:`DirectiveSink` (a logging no-op until the directive sender exists);
+  :class:`DirectiveSink` (the gateway's is the directive sender, controller/directives.py);
   ``Pause``/``Resume``/``Mark`` are logged (the policy counts them in its stats).
 - A waiter cancelled (its client went away) is aborted in the policy: a held call simply
   disappears, one admitted meanwhile ends without usage.
@@ -34,7 +34,7 @@ from typing import Any, assert_never
 import anyio
 
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
-from controller.serve_config import LimitsConfig
+from controller.serve_config import LimitsConfig, WorkerConfig
 from scheduler.actions import (Action, Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release,
                                Resume, Retain)
 from scheduler.calls import CallRequest, Usage
@@ -52,12 +52,20 @@ ADAPTIVE_LOG_CHANGE = 0.1
 class DirectiveSink:
     """Where retention directives go. The default only logs them; the directive sender
     (KvHint envelopes to each worker's plugin socket) replaces it. ``send`` must not block:
-    it is called under the admission lock."""
+    it is called under the admission lock. Workers come and go with :meth:`add` and
+    :meth:`remove` (here: nothing to open; the sender opens and closes a socket)."""
 
     def __init__(self, log: Any | None = None) -> None:
         self._log = log
         self.sent: dict[str, int] = {"retain": 0, "demote": 0, "release": 0}
         self.dropped: dict[str, int] = {}  # worker -> directives that could not be queued
+
+    def add(self, worker: WorkerConfig) -> None:
+        """A worker joined the fleet."""
+
+    def remove(self, worker: str) -> None:
+        """A worker left the fleet: its count of dropped directives goes with it."""
+        self.dropped.pop(worker, None)
 
     def send(self, action: Directive) -> None:
         kind = type(action).__name__.lower()
@@ -104,6 +112,8 @@ class Admission:
         self._waiters: dict[str, _Waiter] = {}
         # Calls admitted to a worker whose completion or abort the policy has not heard yet.
         self._dispatched: set[str] = set()
+        # The workers entered in the policy (add_worker, not yet remove_worker).
+        self._workers: set[str] = set()
         self._tick_after = getattr(policy, "ticks_after_completion", True)
         self._adaptive_logged: dict[str, float] = {}
         self.refusals: dict[str, int] = {"max_programs": 0, "max_held_calls": 0, "max_hold_s": 0}
@@ -367,15 +377,22 @@ class Admission:
         return self.policy.calls_on(worker)
 
     async def add_worker(self, worker: str, capacity_tokens: int | None) -> None:
+        """Enter ``worker`` in the policy's ledger and index; held calls may fit on it now."""
         async with self._lock:
             self.policy.add_worker(worker, capacity_tokens)
+            self._workers.add(worker)
             now = self._clock()
             self._carry_out(self._tick(now), now)  # held calls may fit on it now
 
     async def remove_worker(self, worker: str) -> None:
+        """Take ``worker`` out of the policy (its ledger and index entries go); it must have
+        no call in flight. A KV batch of it that comes after this is dropped (see
+        :meth:`observe_kv`)."""
         async with self._lock:
             now = self._clock()
-            self._carry_out(self.policy.remove_worker(worker, now), now)
+            actions = self.policy.remove_worker(worker, now)
+            self._workers.discard(worker)
+            self._carry_out(actions, now)
 
     async def set_capacity(self, worker: str, capacity_tokens: int) -> None:
         async with self._lock:
@@ -383,15 +400,22 @@ class Admission:
             self.policy.set_capacity(worker, capacity_tokens)
             self._carry_out(self._tick(now), now)
 
-    async def observe_kv(self, worker: str, batch: EventBatch) -> None:
-        """Feed one decoded KV-event batch to the policy's index."""
+    async def observe_kv(self, worker: str, batch: EventBatch) -> bool:
+        """Feed one decoded KV-event batch to the policy's index; False, and nothing
+        applied, when ``worker`` left the fleet while the batch waited for the lock (the
+        index would otherwise take the worker back)."""
         async with self._lock:
+            if worker not in self._workers:
+                return False
             self.policy.observe_kv(worker, batch)
+            return True
 
     async def reset_worker_kv(self, worker: str) -> None:
-        """Forget what the index knows of ``worker`` (engine restart, unrepairable gap)."""
+        """Forget what the index knows of ``worker`` (engine restart, unrepairable gap); a
+        worker no longer in the fleet has nothing left to forget."""
         async with self._lock:
-            self.policy.reset_worker_kv(worker)
+            if worker in self._workers:
+                self.policy.reset_worker_kv(worker)
 
     async def reconfigure(self, config: PolicyConfig) -> None:
         """Swap the policy's thresholds; ValueError when the policy kind would change."""

@@ -2,15 +2,17 @@
 envelopes to each worker's engine plugin (``sluice_vllm_plugin/directives.py``).
 
 One ZMQ PUSH socket per worker that has a ``directives`` endpoint, connected to the plugin's
-PULL socket. ``send`` is called under the admission lock, so it never blocks: a message that
-cannot be queued (the socket's high-water mark reached, the engine gone) is dropped and
-counted. Directives are hints, so a dropped one costs cache efficiency, never correctness.
+PULL socket: :meth:`ZmqDirectiveSink.add` opens it when the worker joins the fleet (at start
+or at run time), :meth:`ZmqDirectiveSink.remove` closes it when the worker leaves. ``send``
+is called under the admission lock, so it never blocks: a message that cannot be queued (the
+socket's high-water mark reached, the engine gone) is dropped and counted. Directives are
+hints, so a dropped one costs cache efficiency, never correctness; one for a worker without
+a socket (no ``directives`` endpoint) is counted as sent and goes nowhere.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 from typing import Any, assert_never
 
 import zmq
@@ -51,18 +53,38 @@ def envelope(action: Directive, message_id: str) -> Envelope:
 
 
 class ZmqDirectiveSink(DirectiveSink):
-    def __init__(self, workers: Iterable[WorkerConfig], log: Any | None = None) -> None:
+    def __init__(self, log: Any | None = None) -> None:
         super().__init__(log)
         self._context = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
-        for worker in workers:
-            if worker.directives:
-                sock = self._context.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(worker.directives)
-                self._sockets[worker.name] = sock
         self._ids = itertools.count()
+
+    def add(self, worker: WorkerConfig) -> None:
+        """Connect a PUSH socket to the worker's plugin, when it has a ``directives`` endpoint."""
+        if not worker.directives:
+            return
+        if worker.name in self._sockets:
+            raise ValueError(f"directives: a worker named {worker.name!r} has a socket already")
+        sock = self._context.socket(zmq.PUSH)
+        try:
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(worker.directives)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self._sockets[worker.name] = sock
+
+    def remove(self, worker: str) -> None:
+        """Close the worker's socket (directives still queued on it are dropped: hints)."""
+        super().remove(worker)
+        sock = self._sockets.pop(worker, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def endpoints(self) -> dict[str, str]:
+        """The workers with an open socket, and the endpoint each is connected to."""
+        return {name: sock.getsockopt_string(zmq.LAST_ENDPOINT) for name, sock in self._sockets.items()}
 
     def send(self, action: Directive) -> None:
         super().send(action)

@@ -1,8 +1,9 @@
 """The gateway: an OpenAI/Anthropic-compatible proxy that admits programs.
 
 :func:`create_app` builds everything from a :class:`ServeConfig` (no globals; nothing is
-started until the app's lifespan starts the tick loop, health checks, capacity probes and
-config watcher, and stops them again).
+started until the app's lifespan starts the tick loop, the fleet (each worker's connections,
+sockets, health checks, capacity probe and KV events: controller/fleet.py) and the config
+watcher, and stops them again).
 
 One call, in order:
 
@@ -65,6 +66,7 @@ from controller.errors import (
     error_response,
 )
 from controller.conversations import Answer, AnswerTap, Conversations, answer_from_body
+from controller.fleet import Fleet, WorkerTables
 from controller.identity import (
     CONTENT_SOURCE,
     ROUTE_CHAT,
@@ -175,6 +177,7 @@ class Parts:
     responses: ResponseSessions
     log: Any
     models: ModelCatalog
+    fleet: Fleet  # one record per worker; membership (controller/fleet.py)
     kv_events: KvEventSubscriber | None = None  # the KV-event subscriber (controller/subscriber.py)
     drain: Drain = field(default_factory=lambda: Drain(0.0))  # graceful shutdown (controller/drain.py)
     # programs of calls without identity, by the answers they carry on (controller/conversations.py)
@@ -190,13 +193,11 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     log_stream = log_stream if log_stream is not None else sys.stderr
     log = make_logger(config.log_level, log_stream)
     policy = make_policy(config.policy)
-    for worker in config.workers:
-        policy.add_worker(worker.name, worker.capacity_tokens)
-    if directive_sink is None and any(worker.directives for worker in config.workers):
+    if directive_sink is None:
         # Retention directives to the engines' Sluice plugin (controller/directives.py)
-        directive_sink = ZmqDirectiveSink(config.workers, log)
+        directive_sink = ZmqDirectiveSink(log)
     admission = Admission(policy, clock=clock, log=log, sink=directive_sink, limits=config.limits)
-    pool = UpstreamPool(config.workers, config.upstream)
+    pool = UpstreamPool([], config.upstream)
     workers = WorkerRegistry(config, pool, admission, log, wall_clock)
     metrics = Metrics(admission)
     request_log = RequestLog(config.request_log, log)
@@ -204,11 +205,15 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     # KV-event subscriber: engines' events feed the policy's index (under the admission lock)
     kv_events = KvEventSubscriber(config, admission, log)
     metrics.watch_kv_events(kv_events)
+    # The workers, configured ones when the app starts and others through the admin API,
+    # each entered in all of these tables at once (controller/fleet.py)
+    fleet = Fleet(config, WorkerTables(workers, pool, admission.sink, kv_events, metrics,
+                                       admission), log)
     parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
-                  ResponseSessions(), log, ModelCatalog(config, pool, workers, log), kv_events,
-                  Drain(config.shutdown_grace_s))
+                  ResponseSessions(), log, ModelCatalog(config, pool, workers, log), fleet,
+                  kv_events, Drain(config.shutdown_grace_s))
     gateway = _Gateway(parts, clock, wall_clock, CallLines(config.log_level, log_stream))
-    admin = AdminApi(config.resolved_admin_token(), admission, workers, reloader, clock)
+    admin = AdminApi(config.resolved_admin_token(), admission, fleet, reloader, clock)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -219,17 +224,15 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(admission.run_ticks)
-                tg.start_soon(workers.run)
                 tg.start_soon(reloader.run)
-                tg.start_soon(kv_events.run)  # KV-event subscriber (no-op without kv_events)
+                await tg.start(fleet.run)  # every configured worker wired before the first call
                 try:
                     yield
                 finally:
                     tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await pool.aclose()
-                await admission.sink.aclose()
+                await fleet.aclose()
             request_log.close()
             parts.drain.close()
             log.info("gateway stopped")

@@ -6,9 +6,12 @@
   attributed removals) are read from the policy when scraped, so they cannot drift from it;
   hold time, upstream latency and requests are recorded as calls end.
 - :class:`AdminApi`: ``GET /sluice/programs``, ``GET /sluice/workers``, ``GET /sluice/config``,
-  ``POST /sluice/programs/{id}/release``, ``POST /sluice/reload``, all behind
-  ``Authorization: Bearer <admin_token>`` (401 without it or with a wrong one; 403 when no
-  token is configured at all).
+  ``POST /sluice/programs/{id}/release``, ``POST /sluice/reload``, and membership:
+  ``POST /sluice/workers`` (a worker entry as in the config's ``workers:``, KV events and
+  directives included), ``POST /sluice/workers/{name}/drain|sleep|wake``,
+  ``DELETE /sluice/workers/{name}``, carried out by the fleet (controller/fleet.py); all
+  behind ``Authorization: Bearer <admin_token>`` (401 without it or with a wrong one; 403
+  when no token is configured at all).
 - :class:`RequestLog`: one ``dynamo.request.trace.v1`` ``request_end`` record per completed
   call, appended as JSONL (opt-in: ``request_log``).
 - :class:`ConfigReloader`: re-reads the YAML file when its mtime changes (polled every
@@ -38,8 +41,9 @@ from starlette.routing import Route
 from controller.admission import Admission
 from controller.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, PERMISSION, error_response
 from controller.serve_config import ServeConfig, WorkerConfig, load_serve_config
+from controller.fleet import Fleet
 from controller.subscriber import KvEventSubscriber
-from controller.workers import MembershipError, WorkerMode, WorkerRegistry
+from controller.workers import MembershipError, WorkerMode
 from scheduler.config import ConfigError, format_validation_errors
 from scheduler.snapshot import WorkerView
 from scheduler.programs import Lifecycle, Phase
@@ -291,6 +295,17 @@ class Metrics:
         children[1].inc(cached_tokens)
         children[2].inc(completion_tokens)
 
+    def forget_worker(self, worker: str) -> None:
+        """Drop a worker's upstream latency and usage series (it left the fleet; the
+        policy's and the KV-event subscriber's series go with their own tables)."""
+        for stream in (True, False):
+            self._upstream_histograms.pop((worker, stream), None)
+            self.upstream_seconds.remove(worker, "true" if stream else "false")
+        self.ttft_seconds.remove(worker)
+        self._usage_counters.pop(worker, None)
+        for counter in (self.prompt_tokens, self.cached_tokens, self.completion_tokens):
+            counter.remove(worker)
+
     def watch_kv_events(self, subscriber: KvEventSubscriber) -> None:
         """Export the KV-event subscriber's counters (controller/subscriber.py)."""
         self.registry.register(_KvEventsCollector(subscriber))
@@ -465,11 +480,11 @@ class ConfigReloader:
 
 
 class AdminApi:
-    def __init__(self, token: str | None, admission: Admission, workers: WorkerRegistry,
+    def __init__(self, token: str | None, admission: Admission, fleet: Fleet,
                  reloader: ConfigReloader, clock: Callable[[], float]) -> None:
         self._token = token.encode() if token else None
         self._admission = admission
-        self._workers = workers
+        self._fleet = fleet
         self._reloader = reloader
         self._clock = clock
 
@@ -521,8 +536,8 @@ class AdminApi:
             return denied
         views = {w.name: w for w in self._admission.snapshot(with_programs=False).workers}
         items = []
-        for state in self._workers.states.values():
-            view = views[state.name]
+        for record in self._fleet.records.values():
+            state, view = record.state, views[record.name]
             items.append({
                 "name": state.name,
                 "url": state.url,
@@ -538,6 +553,9 @@ class AdminApi:
                 "last_check_unix": state.last_check_unix,
                 "mode": state.mode.value,
                 "calls_in_flight": view.calls_in_flight,
+                # its KV-event endpoint ("kv_events_bind": fed from the bound socket) and
+                # directive endpoint; None: not wired
+                **record.wiring,
             })
         return JSONResponse({"workers": items})
 
@@ -556,16 +574,12 @@ class AdminApi:
             worker = WorkerConfig.model_validate(body)
         except ValidationError as err:
             return error_response(400, format_validation_errors(err, "worker"), INVALID_REQUEST)
-        if worker.kv_events or worker.replay or worker.directives:
-            return error_response(400, "a worker added at run time cannot have kv_events, replay "
-                                  "or directives (they need a restart with it in the config)",
-                                  INVALID_REQUEST)
         try:
-            state = await self._workers.add(worker)
+            record = await self._fleet.add(worker)
         except MembershipError as err:
             return error_response(err.status, str(err), INVALID_REQUEST)
-        return JSONResponse({"name": state.name, "mode": state.mode.value,
-                             "healthy": state.healthy}, status_code=201)
+        return JSONResponse({"name": record.name, "mode": record.state.mode.value,
+                             "healthy": record.state.healthy, **record.wiring}, status_code=201)
 
     async def worker_action(self, request: Request) -> Response:
         """``POST /sluice/workers/{name}/drain|sleep|wake``."""
@@ -577,7 +591,7 @@ class AdminApi:
             return error_response(404, f"no worker action {action!r}: drain, sleep or wake",
                                   NOT_FOUND)
         try:
-            state = await self._workers.set_mode(name, modes[action])
+            state = await self._fleet.set_mode(name, modes[action])
         except MembershipError as err:
             return error_response(err.status, str(err), NOT_FOUND if err.status == 404
                                   else INVALID_REQUEST)
@@ -590,7 +604,7 @@ class AdminApi:
             return denied
         name = request.path_params["name"]
         try:
-            await self._workers.remove(name)
+            await self._fleet.remove(name)
         except MembershipError as err:
             return error_response(err.status, str(err), NOT_FOUND if err.status == 404
                                   else INVALID_REQUEST)

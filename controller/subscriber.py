@@ -7,9 +7,20 @@ Two layouts, both on pyzmq's asyncio sockets:
   unset). Every frame on it belongs to that worker, whatever its topic.
 - **llm-d**: with ``kv_events_bind`` set, Sluice binds ONE SUB there and the engines connect
   to it with topic ``kv@<worker>@<model>`` (``kv@<worker>`` also works). The worker is
-  taken from the topic: the longest configured worker name that the topic names. Workers
-  that have their own ``kv_events`` are not fed from the bound socket (their frames there
-  are ignored and counted: two publishers under one name would mix two seq streams).
+  taken from the topic: the longest name of a worker in the fleet now that the topic
+  names. Workers that have their own ``kv_events`` are not fed from the bound socket (their
+  frames there are ignored and counted: two publishers under one name would mix two seq
+  streams).
+
+**Membership.** :meth:`KvEventSubscriber.add` enters one worker (its stats, and its queue
+when it has ``kv_events`` or the bound socket feeds it) and returns its
+:class:`KvSource`; :meth:`KvEventSubscriber.run_source` runs that worker's applier and
+reader until cancelled; :meth:`KvEventSubscriber.remove` drops the worker once they have
+stopped. The fleet (controller/fleet.py) does the three for every worker, the configured
+ones at start and the ones added at run time alike, so a worker added live is caught up
+from seq 0 by replay and repaired exactly like one in the config. :meth:`KvEventSubscriber.run`
+is the bound socket's reader; the ZMQ context is made at the first socket and destroyed by
+:meth:`KvEventSubscriber.aclose`.
 
 A message is vLLM's ``[topic, seq (8 bytes big-endian), msgpack([ts, events, rank])]``. An
 extra fourth frame, when present, is read as the publisher's *epoch*
@@ -18,8 +29,8 @@ extra fourth frame, when present, is read as the publisher's *epoch*
 **Streams.** Sequence numbers count per publisher, and a data-parallel engine has one
 publisher per rank, so a stream is (worker, ``data_parallel_rank``). Its batches go to the
 index under the worker's name; a batch of rank ``r > 0`` goes to the worker
-``f"{worker}#dp{r}"`` when the config has one (the ledger knows workers by name only, so a
-rank can be scheduled on separately only if it is configured as a worker), and otherwise to
+``f"{worker}#dp{r}"`` when the fleet has one (the ledger knows workers by name only, so a
+rank can be scheduled on separately only if it is a worker of the fleet), and otherwise to
 the worker itself: the ranks' blocks then share one index, and a reset caused by one rank
 clears them all (the others catch up from their replay buffers). Replay of a rank: in the
 per-worker layout, the worker's ``replay`` (the endpoints name one publisher); in the llm-d
@@ -58,17 +69,22 @@ to ``policy.observe_kv`` under the admission lock.
   rebuilt from the next batch on. An event of a type Sluice does not know (a newer engine's)
   is not a decode failure: it is skipped and counted, and the rest of its batch applied.
 
+When a ``f"{worker}#dp{r}"`` worker joins or leaves the fleet, that rank's stream moves to
+its new index key at its next batch and is caught up there from seq 0 by replay; the index
+it fed until then is reset when it stays in the fleet (it holds that rank's blocks).
+
 Resets are counted by reason (:data:`RESET_REASONS`). A loop that fails is logged with its
 context and restarted after a backoff; an applier that failed resets the indexes it feeds,
 since a batch may have been half applied.
 
-Only this module's tasks touch the subscriber's state, all on the gateway's event loop.
+Only this module's tasks and the fleet's add and remove touch the subscriber's state, all on
+the gateway's event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +109,7 @@ RESET_REASONS = (
     "epoch_changed",      # the engine restarted (a new publisher epoch)
     "undecodable",        # a batch that cannot be decoded, so cannot be applied
     "subscriber_error",   # the applier failed mid-batch
+    "rank_rerouted",      # a data-parallel rank's own worker joined: its blocks leave this index
 )
 IGNORE_REASONS = ("malformed", "unknown_topic", "worker_has_endpoint")
 BACKOFF_MIN_S = 0.1
@@ -122,7 +139,7 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     return None
 
 
-def worker_from_topic(topic: bytes, names: list[str]) -> str | None:
+def worker_from_topic(topic: bytes, names: Iterable[str]) -> str | None:
     """The worker a ``kv@<worker>@<model>`` (or ``kv@<worker>``) topic names: the longest
     of ``names`` that fits, since names and models may both hold ``@``."""
     try:
@@ -161,7 +178,7 @@ class ReplayError(Exception):
 
 @dataclass(slots=True)
 class KvEventStats:
-    """Counters of one index key (a configured worker), read by the metrics collector."""
+    """Counters of one index key (a worker of the fleet), read by the metrics collector."""
 
     received: int = 0
     applied: int = 0
@@ -196,8 +213,9 @@ class _Stream:
         self.resets = 0
 
 
-class _Source:
-    """One worker's queue and applier; the streams of its ranks."""
+class KvSource:
+    """One worker's queue and applier; the streams of its ranks (what
+    :meth:`KvEventSubscriber.add` returns and :meth:`KvEventSubscriber.run_source` runs)."""
 
     def __init__(self, worker: WorkerConfig, bound: bool, hwm: int) -> None:
         self.worker = worker
@@ -217,55 +235,88 @@ class _Source:
 
 
 class KvEventSubscriber:
-    """Subscribes to every worker's KV events and feeds them to ``admission.policy``."""
+    """Feeds each worker's KV events to ``admission.policy``; workers come and go with
+    :meth:`add` and :meth:`remove`."""
 
     def __init__(self, config: ServeConfig, admission: Admission, log: Any) -> None:
         self._admission = admission
         self._log = log.bind(component="kv_events")
-        self._workers = {w.name: w for w in config.workers}
+        self._workers: dict[str, WorkerConfig] = {}  # the fleet now (index keys, topics)
         self._bind = config.kv_events_bind
+        self._queue_size = config.kv_events_queue
         self._replay_timeout_s = config.kv_replay_timeout_s
         self._decoder = EventBatchDecoder()
         self._peek = msgspec.msgpack.Decoder(_Peek)
-        self._sources: dict[str, _Source] = {}
-        for worker in config.workers:
-            if worker.kv_events is not None:
-                self._sources[worker.name] = _Source(worker, False, config.kv_events_queue)
-            elif self._bind is not None:
-                self._sources[worker.name] = _Source(worker, True, config.kv_events_queue)
-        self.stats: dict[str, KvEventStats] = {name: KvEventStats() for name in self._workers}
+        self._sources: dict[str, KvSource] = {}
+        self.stats: dict[str, KvEventStats] = {}
         self.ignored: dict[str, int] = {reason: 0 for reason in IGNORE_REASONS}
         self.bound_endpoint: str | None = None  # where kv_events_bind ended up (port 0 → real)
         self._ctx: zmq.asyncio.Context | None = None
 
-    @property
-    def active(self) -> bool:
-        return bool(self._sources) or self._bind is not None
-
     def queue_depths(self) -> dict[str, int]:
         return {name: source.queued for name, source in self._sources.items()}
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add(self, worker: WorkerConfig) -> KvSource | None:
+        """Enter ``worker``: its stats, and its source (queue and streams) when it has
+        ``kv_events`` or the bound socket feeds it; None when nothing feeds it (its U is
+        then the usage-based estimate). Its batches are applied once :meth:`run_source`
+        runs the source."""
+        if worker.name in self._workers:
+            raise ValueError(f"KV events: a worker named {worker.name!r} exists already")
+        self._workers[worker.name] = worker
+        self.stats[worker.name] = KvEventStats()
+        if worker.kv_events is not None:
+            source = self._sources[worker.name] = KvSource(worker, False, self._queue_size)
+            return source
+        if self._bind is not None:
+            source = self._sources[worker.name] = KvSource(worker, True, self._queue_size)
+            return source
+        return None
+
+    def remove(self, name: str) -> None:
+        """Drop worker ``name``: its source, queue and stats (call it once the tasks of
+        :meth:`run_source` have stopped). Frames for it on the bound socket count as
+        ``unknown_topic`` from now on."""
+        source = self._sources.pop(name, None)
+        if source is not None:
+            source.send.close()
+            source.receive.close()
+        del self._workers[name]
+        del self.stats[name]
 
     # -- the tasks -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read and apply until cancelled (returns at once when no worker has events)."""
-        if not self.active:
+        """The bound socket's reader (llm-d layout) until cancelled; returns at once
+        without ``kv_events_bind``. Each worker's own tasks are :meth:`run_source`'s."""
+        if self._bind is None:
             return
-        self._ctx = zmq.asyncio.Context()
-        try:
-            async with anyio.create_task_group() as tg:
-                for source in self._sources.values():
-                    tg.start_soon(self._supervise, "applier", self._apply_loop, source,
-                                  self._recover, {"worker": source.name})
-                    if not source.bound:
-                        tg.start_soon(self._supervise, "reader", self._read_worker, source, None,
-                                      {"worker": source.name, "endpoint": source.worker.kv_events})
-                if self._bind is not None:
-                    tg.start_soon(self._supervise, "bound reader", self._read_bound, None, None,
-                                  {"endpoint": self._bind})
-        finally:
+        await self._supervise("bound reader", self._read_bound, None, None,
+                              {"endpoint": self._bind})
+
+    async def run_source(self, source: KvSource) -> None:
+        """One worker's applier and, unless the bound socket feeds it, its reader (SUB
+        socket), until cancelled; the socket is closed when they stop."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._supervise, "applier", self._apply_loop, source, self._recover,
+                          {"worker": source.name}, name=f"KV-event applier of {source.name}")
+            if not source.bound:
+                tg.start_soon(self._supervise, "reader", self._read_worker, source, None,
+                              {"worker": source.name, "endpoint": source.worker.kv_events},
+                              name=f"KV-event reader of {source.name}")
+
+    async def aclose(self) -> None:
+        """Destroy the ZMQ context (at shutdown, once every task has stopped)."""
+        if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+
+    def _context(self) -> zmq.asyncio.Context:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        return self._ctx
 
     async def _supervise(self, what: str, loop: Callable[..., Awaitable[None]], arg: Any,
                          on_failure: Callable[[Any], Awaitable[None]] | None,
@@ -292,9 +343,9 @@ class KvEventSubscriber:
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    async def _read_worker(self, source: _Source) -> None:
-        assert self._ctx is not None and source.worker.kv_events is not None
-        socket = self._ctx.socket(zmq.SUB)
+    async def _read_worker(self, source: KvSource) -> None:
+        assert source.worker.kv_events is not None
+        socket = self._context().socket(zmq.SUB)
         try:
             socket.setsockopt(zmq.LINGER, 0)
             topic = source.worker.kv_topic or ""
@@ -310,8 +361,8 @@ class KvEventSubscriber:
             socket.close(linger=0)
 
     async def _read_bound(self) -> None:
-        assert self._ctx is not None and self._bind is not None
-        socket = self._ctx.socket(zmq.SUB)
+        assert self._bind is not None
+        socket = self._context().socket(zmq.SUB)
         try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -319,10 +370,9 @@ class KvEventSubscriber:
             self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
             self._log.info("KV events bound (llm-d layout)", endpoint=self.bound_endpoint,
                            workers=[s.name for s in self._sources.values() if s.bound])
-            names = list(self._workers)
             while True:
                 frames = await socket.recv_multipart()
-                name = worker_from_topic(frames[0], names) if frames else None
+                name = worker_from_topic(frames[0], self._workers) if frames else None
                 if name is None:
                     self._ignore("unknown_topic", topic=frames[0][:200].decode("utf-8", "replace")
                                  if frames else None)
@@ -337,7 +387,7 @@ class KvEventSubscriber:
             self.bound_endpoint = None
             socket.close(linger=0)
 
-    def _accept(self, source: _Source, frames: list[bytes]) -> None:
+    def _accept(self, source: KvSource, frames: list[bytes]) -> None:
         """Queue one message of ``source``'s worker, or drop it when the queue is full."""
         if len(frames) < 3 or len(frames[1]) != 8:
             self._ignore("malformed", worker=source.name, frames=len(frames))
@@ -372,16 +422,16 @@ class KvEventSubscriber:
 
     # -- applying --------------------------------------------------------------------------
 
-    async def _apply_loop(self, source: _Source) -> None:
+    async def _apply_loop(self, source: KvSource) -> None:
         while True:
             item = await source.receive.receive()
             await self._handle(source, item)
             if source.drops and source.queued == 0:
                 await self._repair_drops(source)
 
-    async def _handle(self, source: _Source, item: tuple) -> None:
+    async def _handle(self, source: KvSource, item: tuple) -> None:
         seq, rank, payload, epoch, position = item
-        stream = self._stream(source, rank)
+        stream = await self._stream(source, rank)
         self._take_pending(stream)
         if epoch is not None:
             if stream.epoch is not None and epoch != stream.epoch:
@@ -395,18 +445,18 @@ class KvEventSubscriber:
             await self._repair(stream, seq - 1)
         await self._apply(stream, seq, payload, replayed=False)
 
-    async def _repair_drops(self, source: _Source) -> None:
+    async def _repair_drops(self, source: KvSource) -> None:
         """The queue has drained, but batches dropped at its end were never followed by one
         that would show the gap: repair up to the last one dropped."""
         drops, source.drops = source.drops, {}
         for rank, (seq, _) in drops.items():
-            stream = self._stream(source, rank)
+            stream = await self._stream(source, rank)
             self._take_pending(stream)
             if seq >= stream.expected:
                 await self._repair(stream, seq)
 
     @staticmethod
-    def _forget_drops(source: _Source, rank: int, position: int) -> None:
+    def _forget_drops(source: KvSource, rank: int, position: int) -> None:
         """After a restart, drops that happened before this batch was queued belong to the
         old publisher."""
         drop = source.drops.get(rank)
@@ -448,9 +498,9 @@ class KvEventSubscriber:
             if not stream.fresh:
                 await self._reset(stream, "gap_beyond_replay", needed=stream.expected, upto=upto)
             stream.expected = upto + 1
-        if stream.resets != resets:
+        stats = self.stats.get(stream.index_key)
+        if stream.resets != resets or stats is None:
             return
-        stats = self.stats[stream.index_key]
         if was_fresh:
             self._log.info("KV-event stream caught up", worker=stream.index_key,
                            publisher=stream.worker, rank=stream.rank, from_seq=needed,
@@ -462,6 +512,9 @@ class KvEventSubscriber:
                             rank=stream.rank, from_seq=needed, to_seq=upto)
 
     async def _apply(self, stream: _Stream, seq: int, payload: bytes, replayed: bool) -> None:
+        stats = self.stats.get(stream.index_key)
+        if stats is None:
+            return  # its index key left the fleet: the stream moves on at its next batch
         skipped_before = self._decoder.skipped_total
         try:
             batch = self._decoder.decode(payload)
@@ -471,18 +524,18 @@ class KvEventSubscriber:
             return
         skipped = self._decoder.skipped_total - skipped_before
         if skipped:
-            before = self.stats[stream.index_key].events_skipped
-            self.stats[stream.index_key].events_skipped += skipped
+            before = stats.events_skipped
+            stats.events_skipped += skipped
             if before == 0:
                 self._log.warning("KV events of unknown types skipped (the rest of each batch is "
                                   "applied)", worker=stream.index_key, seq=seq,
                                   types=sorted(self._decoder.skipped))
         # Every policy call runs under the admission lock (Admission has no public
         # observe_kv; a batch is applied whole, between two other policy calls).
-        await self._admission.observe_kv(stream.index_key, batch)
+        if not await self._admission.observe_kv(stream.index_key, batch):
+            return  # its worker left the fleet while the batch waited for the lock
         stream.expected = seq + 1
         stream.fresh = False
-        stats = self.stats[stream.index_key]
         stats.applied += 1
         if replayed:
             stats.replayed += 1
@@ -494,8 +547,9 @@ class KvEventSubscriber:
         replay at its next batch."""
         key = stream.index_key
         await self._admission.reset_worker_kv(key)
-        resets = self.stats[key].resets
-        resets[reason] = resets.get(reason, 0) + 1
+        stats = self.stats.get(key)
+        if stats is not None:  # else the worker left the fleet meanwhile, its counts with it
+            stats.resets[reason] = stats.resets.get(reason, 0) + 1
         stream.resets += 1
         stream.expected = 0
         stream.fresh = True
@@ -506,7 +560,7 @@ class KvEventSubscriber:
         self._log.warning("KV index of a worker reset", worker=key, reason=reason,
                           publisher=stream.worker, rank=stream.rank, **context)
 
-    async def _recover(self, source: _Source) -> None:
+    async def _recover(self, source: KvSource) -> None:
         """The applier failed, maybe half-way through a batch: reset what it feeds."""
         for stream in list(source.streams.values()):
             await self._reset(stream, "subscriber_error")
@@ -520,23 +574,30 @@ class KvEventSubscriber:
 
     # -- streams and replay ----------------------------------------------------------------
 
-    def _index_key(self, source: _Source, rank: int) -> str:
+    def _index_key(self, source: KvSource, rank: int) -> str:
         if rank > 0:
             name = f"{source.name}#dp{rank}"
             if name in self._workers:
                 return name
         return source.name
 
-    def _stream(self, source: _Source, rank: int) -> _Stream:
+    async def _stream(self, source: KvSource, rank: int) -> _Stream:
+        key = self._index_key(source, rank)
         stream = source.streams.get(rank)
-        if stream is None:
-            key = self._index_key(source, rank)
-            replay = source.worker.replay
-            if source.bound and rank > 0:
-                # every rank connected to our socket; its replay socket is its own
-                own = self._workers[key].replay if key != source.name else None
-                replay = own or offset_endpoint(replay, rank)
-            stream = source.streams[rank] = _Stream(source.name, rank, key, replay)
+        if stream is not None and stream.index_key == key:
+            return stream
+        replay = source.worker.replay
+        if source.bound and rank > 0:
+            # every rank connected to our socket; its replay socket is its own
+            own = self._workers[key].replay if key != source.name else None
+            replay = own or offset_endpoint(replay, rank)
+        if stream is not None and stream.index_key in self._workers:
+            # The rank's own worker joined the fleet: the index this rank fed until now
+            # holds its blocks (the other ranks feeding it catch up from their replay).
+            await self._reset(stream, "rank_rerouted", rank_worker=key)
+        # New, or moved to another index key, which holds nothing of this rank yet: caught
+        # up from seq 0 by replay.
+        stream = source.streams[rank] = _Stream(source.name, rank, key, replay)
         return stream
 
     @asynccontextmanager
@@ -544,8 +605,7 @@ class KvEventSubscriber:
                       ) -> AsyncIterator[Callable[[], Awaitable[tuple[int, bytes] | None]]]:
         """Ask ``endpoint`` for every buffered batch from ``start_seq`` on; yields a function
         returning the next ``(seq, payload)``, or None after the end marker."""
-        assert self._ctx is not None
-        socket = self._ctx.socket(zmq.DEALER)  # a fresh one: no late answer to an old ask
+        socket = self._context().socket(zmq.DEALER)  # a fresh one: no late answer to an old ask
         timeout_ms = max(1, int(self._replay_timeout_s * 1000))
         try:
             socket.setsockopt(zmq.LINGER, 0)

@@ -343,7 +343,8 @@ class StreamTap:
 # -- the pool --------------------------------------------------------------------------------
 
 class UpstreamPool:
-    """The connections to each worker, closed together.
+    """The connections to each worker: opened by :meth:`add` when it joins the fleet, closed
+    by :meth:`remove` when it leaves, and all together by :meth:`aclose` at shutdown.
 
     - :meth:`relay`: the relay path's keep-alive pool (:mod:`controller.relay_client`), sized
       by ``upstream.max_connections`` / ``max_keepalive_connections``.
@@ -375,6 +376,8 @@ class UpstreamPool:
             self.add(worker)
 
     def add(self, worker: WorkerConfig) -> None:
+        if worker.name in self._clients:
+            raise ValueError(f"upstream: a worker named {worker.name!r} exists already")
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
         self._clients[worker.name] = httpx.AsyncClient(
@@ -385,6 +388,7 @@ class UpstreamPool:
         self.urls[worker.name] = worker.url
 
     async def remove(self, name: str) -> None:
+        """Close the worker's connections (it has no call in flight: it was drained)."""
         relay, client = self._relays.pop(name), self._clients.pop(name)
         del self.urls[name]
         await relay.aclose()

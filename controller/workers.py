@@ -1,13 +1,19 @@
-"""The fleet as the gateway sees it: capacity and health of each worker.
+"""Each worker's health, mode and capacity as the gateway sees them (:class:`WorkerState`).
 
-- Capacity: ``capacity_tokens`` from the YAML, else the worker's ``/metrics``
-  ``vllm:cache_config_info`` labels ``num_gpu_blocks × block_size`` (summed over its
-  ``engine`` label values when one API server fronts several data-parallel engines),
-  retried every ``capacity_retry_s`` until known. Until then the policy's ledger has no
-  capacity for the worker, so it takes no new programs.
-- Health: ``GET /health`` every ``health_interval_s``; after ``unhealthy_after`` failures
-  in a row the worker is marked down in the policy (its programs are re-homed), and up
-  again at its first good answer.
+- Capacity: ``capacity_tokens`` from the YAML (or the admin API's worker entry), else the
+  worker's ``/metrics`` ``vllm:cache_config_info`` labels ``num_gpu_blocks × block_size``
+  (summed over its ``engine`` label values when one API server fronts several data-parallel
+  engines), retried every ``capacity_retry_s`` until known (:meth:`WorkerRegistry.learn_capacity`).
+  Until then the policy's ledger has no capacity for the worker, so it takes no new programs.
+- Health: ``GET /health`` every ``health_interval_s`` (:meth:`WorkerRegistry.watch_health`);
+  after ``unhealthy_after`` failures in a row the worker is marked down in the policy (its
+  programs are re-homed), and up again at its first good answer. A refused connection on a
+  call takes it down at once (:meth:`WorkerRegistry.mark_unreachable`).
+- Mode: serving, draining or asleep, as the operator sets it (:meth:`WorkerRegistry.set_mode`).
+
+The registry's per-worker :meth:`~WorkerRegistry.add` and :meth:`~WorkerRegistry.remove`
+only enter and drop the state; a worker's health and capacity loops run among its tasks in
+the fleet (controller/fleet.py), which adds and removes workers as one operation each.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from enum import Enum
 from typing import Any
 
 import anyio
-import anyio.abc
 import httpx
 
 from controller.admission import Admission
@@ -100,12 +105,7 @@ class WorkerRegistry:
         self._admission = admission
         self._log = log
         self._wall = wall_clock
-        self.states: dict[str, WorkerState] = {
-            w.name: WorkerState(w.name, w.url, w.capacity_tokens,
-                                "config" if w.capacity_tokens else None)
-            for w in config.workers
-        }
-        self._tasks: anyio.abc.TaskGroup | None = None
+        self.states: dict[str, WorkerState] = {}
 
     def healthy_names(self) -> list[str]:
         """Workers that take calls now: healthy and serving."""
@@ -117,35 +117,23 @@ class WorkerRegistry:
         return any(_available(s) or (s.healthy and s.mode is WorkerMode.ASLEEP)
                    for s in self.states.values())
 
-    async def run(self) -> None:
-        """Health checks and capacity probes until cancelled."""
-        async with anyio.create_task_group() as tg:
-            self._tasks = tg
-            tg.start_soon(self._health_loop)
-            for state in self.states.values():
-                if state.capacity_tokens is None:
-                    tg.start_soon(self._capacity_loop, state)
+    # -- membership ------------------------------------------------------------------------
 
-    # -- membership (the admin API's /sluice/workers) ----------------------------------------
-
-    async def add(self, worker: WorkerConfig) -> WorkerState:
-        """Add a worker at run time. Its KV events are not subscribed to (that needs a
-        restart with it in the config): its U is the usage-based estimate."""
+    def add(self, worker: WorkerConfig) -> WorkerState:
+        """Enter a worker's state: healthy and serving until a check says otherwise."""
         if worker.name in self.states:
             raise MembershipError(f"a worker named {worker.name!r} exists already")
-        state = WorkerState(worker.name, worker.url, worker.capacity_tokens,
-                            "config" if worker.capacity_tokens else None)
-        self._pool.add(worker)
-        await self._admission.add_worker(worker.name, worker.capacity_tokens)
-        self.states[worker.name] = state
-        if state.capacity_tokens is None and self._tasks is not None:
-            self._tasks.start_soon(self._capacity_loop, state)
-        self._log.info("worker added", worker=worker.name, url=worker.url,
-                       capacity_tokens=worker.capacity_tokens)
-        await self.check_health(state)
+        state = self.states[worker.name] = WorkerState(
+            worker.name, worker.url, worker.capacity_tokens,
+            "config" if worker.capacity_tokens else None)
         return state
 
+    def remove(self, name: str) -> None:
+        del self.states[name]
+
     async def set_mode(self, name: str, mode: WorkerMode) -> WorkerState:
+        """Drain, put to sleep or wake a worker: the policy takes it out of (or back into)
+        placement as its availability changes; asleep, its KV counts as gone."""
         state = self._state(name)
         if state.mode is mode:
             return state
@@ -161,20 +149,6 @@ class WorkerRegistry:
                        calls_in_flight=self._admission.calls_on(name))
         return state
 
-    async def remove(self, name: str) -> None:
-        """Remove a drained (or sleeping) worker with no call in flight."""
-        state = self._state(name)
-        if state.mode is WorkerMode.SERVING:
-            raise MembershipError(f"worker {name!r} is serving: drain it first")
-        in_flight = self._admission.calls_on(name)
-        if in_flight:
-            raise MembershipError(f"worker {name!r} still has {in_flight} call(s) in flight; "
-                                  "remove it once they finish")
-        await self._admission.remove_worker(name)
-        del self.states[name]
-        await self._pool.remove(name)
-        self._log.info("worker removed", worker=name)
-
     def _state(self, name: str) -> WorkerState:
         state = self.states.get(name)
         if state is None:
@@ -183,7 +157,8 @@ class WorkerRegistry:
 
     # -- capacity ----------------------------------------------------------------------
 
-    async def _capacity_loop(self, state: WorkerState) -> None:
+    async def learn_capacity(self, state: WorkerState) -> None:
+        """Probe the worker's ``/metrics`` every ``capacity_retry_s`` until its capacity is known."""
         while state.capacity_tokens is None:
             try:
                 if await self.probe_capacity(state):
@@ -212,19 +187,16 @@ class WorkerRegistry:
 
     # -- health ------------------------------------------------------------------------
 
-    async def _health_loop(self) -> None:
+    async def watch_health(self, state: WorkerState, first_check_after_s: float = 0.0) -> None:
+        """Check the worker's ``/health`` every ``health_interval_s`` until cancelled; a
+        check that fails in itself (not the worker) is logged and the next one goes ahead."""
+        await anyio.sleep(first_check_after_s)
         while True:
             try:
-                await self.check_all()
+                await self.check_health(state)
             except Exception:
-                self._log.exception("health check pass failed",
-                                    healthy=self.healthy_names(), workers=list(self.states))
+                self._log.exception("health check failed", worker=state.name)
             await anyio.sleep(self._config.health_interval_s)
-
-    async def check_all(self) -> None:
-        async with anyio.create_task_group() as tg:
-            for state in list(self.states.values()):
-                tg.start_soon(self.check_health, state)
 
     async def mark_unreachable(self, worker: str, problem: str) -> None:
         """A call found the worker refusing connections: take it out now rather than after

@@ -1,0 +1,232 @@
+"""The fleet: one record per worker, added and removed as one operation each
+(architecture.md §5.5, "Membership").
+
+Each mechanism keeps its own table of workers and has a per-worker add and remove:
+
+=============================  ============================  ===================================
+table                          add                           remove
+=============================  ============================  ===================================
+health, mode, capacity         ``WorkerRegistry.add``        ``.remove``
+HTTP connections               ``UpstreamPool.add``          ``.remove`` (closes them)
+directive socket               ``DirectiveSink.add`` (a      ``.remove`` (closes it)
+                               PUSH socket when the worker
+                               has ``directives``)
+KV-event source                ``KvEventSubscriber.add``     ``.remove`` (queue and stats)
+                               (its own SUB, or the bound
+                               socket of ``kv_events_bind``)
+per-worker metrics             (made at the first call)      ``Metrics.forget_worker``
+policy's ledger and index      ``Admission.add_worker``      ``.remove_worker``
+=============================  ============================  ===================================
+
+:meth:`WorkerRecord.open` is the one place that calls them: it enters the worker in each
+table in turn, then starts the worker's tasks (its health checks, its capacity probe while
+the capacity is unknown, its KV-event applier and reader) under one cancel scope of their
+own. Opening keeps the undoing of each step as it goes, and :meth:`WorkerRecord.close` runs
+exactly that in reverse: the tasks are stopped, and waited for, first, so nothing of the
+worker runs while it leaves the policy (no KV batch can bring its index back), then its
+stats, sockets and connections go. A failure half-way through opening undoes the steps done,
+so a worker is in every table or in none.
+
+:class:`Fleet` holds the records. The configured workers are opened when the gateway starts,
+before it serves a call; others are added and removed at run time through the admin API
+(``/sluice/workers``), and a worker added live is wired exactly like a configured one. The
+membership changes (add, drain, sleep, wake, remove) run one at a time. A removed worker
+can be added again under the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+from controller.admission import Admission, DirectiveSink
+from controller.serve_config import ServeConfig, WorkerConfig
+from controller.subscriber import KvEventSubscriber
+from controller.upstream import UpstreamPool
+from controller.workers import MembershipError, WorkerMode, WorkerRegistry, WorkerState
+
+if TYPE_CHECKING:
+    from controller.operations import Metrics
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTables:
+    """The per-worker tables a worker is entered in (the table of the module docstring)."""
+
+    registry: WorkerRegistry
+    pool: UpstreamPool
+    sink: DirectiveSink
+    kv_events: KvEventSubscriber
+    metrics: Metrics
+    admission: Admission
+
+
+class _WorkerTasks:
+    """A worker's tasks under one cancel scope: :meth:`stop` cancels them and returns once
+    they have all ended."""
+
+    def __init__(self, worker: str) -> None:
+        self._worker = worker
+        self._scope = anyio.CancelScope()
+        self._ended = anyio.Event()
+
+    async def run(self, tasks: list[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]],
+                  *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._scope:
+                async with anyio.create_task_group() as tg:
+                    for what, func, args in tasks:
+                        # named for the worker: one that outlived it would show in a task dump
+                        tg.start_soon(func, *args, name=f"{what} of {self._worker}")
+                    task_status.started()
+        finally:
+            self._ended.set()
+
+    async def stop(self) -> None:
+        self._scope.cancel()
+        await self._ended.wait()
+
+
+class WorkerRecord:
+    """One worker of the fleet: its config and state, and what closes everything opened for it."""
+
+    def __init__(self, config: WorkerConfig, state: WorkerState, wiring: dict[str, str | None],
+                 undo: AsyncExitStack) -> None:
+        self.config = config
+        self.state = state
+        # where its KV events come from and its directives go (None: nowhere), as listed
+        # by the admin API
+        self.wiring = wiring
+        self._undo = undo
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @classmethod
+    async def open(cls, config: WorkerConfig, tables: WorkerTables, tasks: anyio.abc.TaskGroup,
+                   *, first_health_check: bool, health_interval_s: float) -> WorkerRecord:
+        """Enter ``config``'s worker in every table and start its tasks in ``tasks``. With
+        ``first_health_check`` its health is checked once before this returns (a worker
+        added at run time is answered with it), the next check an interval later."""
+        name = config.name
+        async with AsyncExitStack() as undo:
+            state = tables.registry.add(config)
+            undo.callback(tables.registry.remove, name)
+            tables.pool.add(config)
+            undo.push_async_callback(tables.pool.remove, name)
+            tables.sink.add(config)
+            undo.callback(tables.sink.remove, name)
+            kv_source = tables.kv_events.add(config)
+            undo.callback(tables.kv_events.remove, name)
+            undo.callback(tables.metrics.forget_worker, name)
+            await tables.admission.add_worker(name, config.capacity_tokens)
+            undo.push_async_callback(tables.admission.remove_worker, name)
+            if first_health_check:
+                await tables.registry.check_health(state)
+            worker_tasks = _WorkerTasks(name)
+            to_run: list[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]] = [
+                ("health checks", tables.registry.watch_health,
+                 (state, health_interval_s if first_health_check else 0.0))]
+            if state.capacity_tokens is None:
+                to_run.append(("capacity probe", tables.registry.learn_capacity, (state,)))
+            if kv_source is not None:
+                to_run.append(("KV events", tables.kv_events.run_source, (kv_source,)))
+            await tasks.start(worker_tasks.run, to_run, name=f"tasks of {name}")
+            undo.push_async_callback(worker_tasks.stop)
+            wiring = {
+                "kv_events": None if kv_source is None
+                else kv_source.worker.kv_events or "kv_events_bind",
+                "directives": config.directives,
+            }
+            return cls(config, state, wiring, undo.pop_all())
+
+    async def close(self) -> None:
+        """Undo :meth:`open`, last step first: the tasks stop (and are waited for), the
+        policy forgets the worker, then its metrics, KV-event source, directive socket,
+        connections and state go."""
+        await self._undo.aclose()
+
+
+class Fleet:
+    """The records of every worker; the one way a worker joins or leaves."""
+
+    def __init__(self, config: ServeConfig, tables: WorkerTables, log: Any) -> None:
+        self._config = config
+        self.tables = tables
+        self._log = log
+        self.records: dict[str, WorkerRecord] = {}
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._membership = anyio.Lock()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Open the configured workers (started once they are all wired), then run every
+        worker's tasks, and the bound KV-event socket's reader, until cancelled."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tasks = tg
+                async with self._membership:
+                    for worker in self._config.workers:
+                        await self._open(worker, first_health_check=False)
+                # after them, so that no frame of theirs counts as one of an unknown worker
+                tg.start_soon(self.tables.kv_events.run, name="KV-event bound reader")
+                task_status.started()
+        finally:
+            self._tasks = None
+
+    async def add(self, worker: WorkerConfig) -> WorkerRecord:
+        """Add a worker at run time, wired as a configured one is; MembershipError (409)
+        when the name is taken."""
+        async with self._membership:
+            if worker.name in self.records:
+                raise MembershipError(f"a worker named {worker.name!r} exists already")
+            record = await self._open(worker, first_health_check=True)
+        self._log.info("worker added", worker=worker.name, url=worker.url,
+                       capacity_tokens=worker.capacity_tokens, healthy=record.state.healthy,
+                       **record.wiring)
+        return record
+
+    async def set_mode(self, name: str, mode: WorkerMode) -> WorkerState:
+        """Drain, put to sleep or wake a worker (:meth:`WorkerRegistry.set_mode`)."""
+        async with self._membership:
+            return await self.tables.registry.set_mode(name, mode)
+
+    async def remove(self, name: str) -> None:
+        """Remove a drained (or sleeping) worker with no call in flight: nothing of it is
+        left running or open."""
+        async with self._membership:
+            record = self.records.get(name)
+            if record is None:
+                raise MembershipError(f"no worker named {name!r}", status=404)
+            if record.state.mode is WorkerMode.SERVING:
+                raise MembershipError(f"worker {name!r} is serving: drain it first")
+            in_flight = self.tables.admission.calls_on(name)
+            if in_flight:
+                raise MembershipError(f"worker {name!r} still has {in_flight} call(s) in flight; "
+                                      "remove it once they finish")
+            # out of the listing first: the policy forgets it half-way through closing
+            # (close runs every step even when one fails; the failure propagates)
+            del self.records[name]
+            await record.close()
+        self._log.info("worker removed", worker=name)
+
+    async def aclose(self) -> None:
+        """At shutdown, once :meth:`run` has ended: close every worker's connections and
+        sockets at once (the policy goes with the process)."""
+        await self.tables.pool.aclose()
+        await self.tables.sink.aclose()
+        await self.tables.kv_events.aclose()
+
+    async def _open(self, worker: WorkerConfig, *, first_health_check: bool) -> WorkerRecord:
+        if self._tasks is None:
+            raise MembershipError("the gateway is not running: no worker can join", status=503)
+        record = self.records[worker.name] = await WorkerRecord.open(
+            worker, self.tables, self._tasks, first_health_check=first_health_check,
+            health_interval_s=self._config.health_interval_s)
+        return record
