@@ -5,9 +5,9 @@ its graceful drain) inside the actor process, on a port it picks, in front of th
 endpoints handed to it: plain endpoint mappings (``name``, ``url``, and optionally
 ``kv_events``, ``replay``, ``directives``, ``capacity_tokens``, as in ``sluice.yaml``).
 :func:`start_gateway` also takes handles of actors that answer ``endpoint()`` with one, such
-as :class:`SimWorkerActor`, and asks them before the actor starts. The worker list is fixed
-for the life of the gateway (Sluice has no live membership yet); a restarted gateway actor
-gets the same list.
+as :class:`SimWorkerActor`, and asks them before the actor starts. These are the workers it
+starts with; more join and leave at run time through the admin API (``/sluice/workers``,
+controller/fleet.py), and a restarted gateway actor starts again with the list it was given.
 
 :class:`SimWorkerActor` serves the simworker (the engine model behind vLLM's HTTP API, KV
 events, replay and directive sockets) so a fleet runs on a machine without a GPU. On a GPU
