@@ -518,6 +518,7 @@ class AdminApi:
         items = [{
             "session_id": p.session_id,
             "parent_session_id": p.parent_session_id,
+            "group_id": p.group_id,
             "lifecycle": p.lifecycle,
             "phase": p.phase,
             "marked": p.marked,

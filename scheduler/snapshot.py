@@ -24,6 +24,7 @@ class ProgramView:
     steps: int
     created_at: float
     last_activity: float
+    group_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

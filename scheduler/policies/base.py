@@ -317,7 +317,7 @@ class Policy(ABC):
         programs = tuple(
             ProgramView(p.session_id, p.parent_session_id, p.lifecycle.value, p.phase.value,
                         p.marked, p.home_worker, p.context_tokens, len(p.in_flight),
-                        len(p.waiting), p.steps, p.created_at, p.last_activity)
+                        len(p.waiting), p.steps, p.created_at, p.last_activity, p.group_id)
             for p in self.programs.values()) if with_programs else ()
         return PolicySnapshot(self.name, programs, tuple(workers),
                               dataclasses.asdict(self.stats), self.adaptive_settings())
@@ -328,7 +328,7 @@ class Policy(ABC):
             return None
         return ProgramView(p.session_id, p.parent_session_id, p.lifecycle.value, p.phase.value,
                            p.marked, p.home_worker, p.context_tokens, len(p.in_flight),
-                           len(p.waiting), p.steps, p.created_at, p.last_activity)
+                           len(p.waiting), p.steps, p.created_at, p.last_activity, p.group_id)
 
     def has_program(self, session_id: SessionId) -> bool:
         return session_id in self.programs

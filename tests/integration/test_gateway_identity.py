@@ -105,6 +105,7 @@ def test_a_call_without_identity_continues_the_program_whose_answer_it_carries(s
     session = first.body["session_id"]
     assert session.startswith("c-") and second.body["session_id"] == session
     assert gw.programs()[session]["steps"] == 2
+    assert gw.programs()[session]["group_id"] == session.rsplit("-", 1)[0]  # its opening
     # The chain grew: a later turn's continuation id differs from the first's.
     assert first.body["vllm_xargs"]["continuation_id"] != second.body["vllm_xargs"]["continuation_id"]
     # The same opening again is another run of the task: a program of its own
