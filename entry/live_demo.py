@@ -56,6 +56,8 @@ class DemoSetup:
     # a re-prefill's cost against a tool call where it is on an H100 (sim/step_time.py:
     # ~0.8 s for 22k tokens), so the demo shows what thrash costs on a GPU.
     prefill_scale: float = 20.0
+    # more `sluice simworker` flags for every worker (e.g. --tool-call-turns for agent clients)
+    simworker_args: tuple[str, ...] = ()
 
     @property
     def capacity_tokens(self) -> int:
@@ -108,7 +110,7 @@ class Fleet:
                 "--kv-events", f"tcp://*:{events}", "--time-scale", str(setup.time_scale),
                 "--prefill-scale", str(setup.prefill_scale),
                 "--directives", f"tcp://*:{directives}",
-                "--name", f"w{i}",
+                "--name", f"w{i}", *setup.simworker_args,
             ])
             workers.append({"name": f"w{i}", "url": f"http://127.0.0.1:{port}",
                             "kv_events": f"tcp://127.0.0.1:{events}",
