@@ -9,6 +9,10 @@
   unless the config's ``forward_client_keys`` names them.
 - :func:`prepare_body`: ``session_id`` and ``vllm_xargs.continuation_id`` set; a stream whose
   client did not ask for usage asks for it (the gateway drops that chunk again).
+- :func:`sends_engine_priority` / :func:`with_engine_priority`: whether a call gets the
+  policy's engine priority on a worker started with ``--scheduling-policy priority``, and the
+  encoded body with it spliced in once the call is admitted (the body is encoded before
+  admission; it is not encoded again).
 - :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
   bytes on as they arrive; in drop mode it holds back at most one unfinished event and
   removes exactly the usage-only chunk it asked for.
@@ -92,6 +96,11 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 PRIORITY_KEY = "priority"
 VLLM_XARGS_KEY = "vllm_xargs"
+# The routes whose vLLM 0.32 request has a ``priority`` field (entrypoints/openai/
+# {chat_completion,completion,responses}/protocol.py). Its Anthropic Messages request has
+# none and ignores unknown keys (entrypoints/anthropic/protocol.py): a Messages call runs at
+# priority 0 there, so nothing is sent.
+ENGINE_PRIORITY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 def strip_client_engine_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -110,6 +119,26 @@ def strip_client_engine_keys(body: dict[str, Any], allowed: frozenset[str]) -> N
         body[VLLM_XARGS_KEY] = kept
     else:
         del body[VLLM_XARGS_KEY]
+
+
+def sends_engine_priority(route: str, body: dict[str, Any]) -> bool:
+    """Whether a call on ``route`` whose forwarded body is ``body`` gets the policy's engine
+    priority when it goes to a ``scheduling_policy: priority`` worker: on the routes vLLM reads
+    it on, unless the body carries the client's own ``priority`` (kept only when
+    ``forward_client_keys`` names it: then the operator lets clients steer the engine, and the
+    client's value goes as sent)."""
+    return route in ENGINE_PRIORITY_ROUTES and PRIORITY_KEY not in body
+
+
+def with_engine_priority(content: bytes, priority: int) -> bytes:
+    """``content``, a JSON object as the relay encoded it (no ``priority`` key), with
+    ``"priority": priority`` spliced in as its first key: one copy of the bytes instead of
+    encoding the body again after admission."""
+    if content[:1] != b"{":
+        raise ValueError("the relay's body must be an encoded JSON object")
+    if content[1:2] == b"}":
+        return b'{"priority":%d}' % priority
+    return b'{"priority":%d,' % priority + content[1:]
 
 
 def prepare_body(route: str, body: dict[str, Any], session_id: str,
@@ -372,6 +401,8 @@ class UpstreamPool:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._relays: dict[str, WorkerConnections] = {}
         self.urls: dict[str, str] = {}
+        # workers whose vLLM orders its queue by the request's priority (scheduling_policy)
+        self._by_priority: set[str] = set()
         for worker in workers:
             self.add(worker)
 
@@ -386,11 +417,14 @@ class UpstreamPool:
         )
         self._relays[worker.name] = WorkerConnections(worker.url, self._limits)
         self.urls[worker.name] = worker.url
+        if worker.scheduling_policy == "priority":
+            self._by_priority.add(worker.name)
 
     async def remove(self, name: str) -> None:
         """Close the worker's connections (it has no call in flight: it was drained)."""
         relay, client = self._relays.pop(name), self._clients.pop(name)
         del self.urls[name]
+        self._by_priority.discard(name)
         await relay.aclose()
         await client.aclose()
 
@@ -399,6 +433,10 @@ class UpstreamPool:
 
     def relay(self, worker: str) -> WorkerConnections:
         return self._relays[worker]
+
+    def takes_priority(self, worker: str) -> bool:
+        """Whether ``worker``'s vLLM runs ``--scheduling-policy priority`` (its config says so)."""
+        return worker in self._by_priority
 
     def names(self) -> list[str]:
         return list(self._clients)
