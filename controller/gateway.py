@@ -88,6 +88,7 @@ from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import (
     ERROR_SNIPPET_BYTES,
+    PRIORITY_KEY,
     StreamTap,
     UpstreamPool,
     UsageCounts,
@@ -333,6 +334,7 @@ class _Gateway:
         self.wall = wall_clock
         self.log = parts.log
         self.forwarded_client_keys = frozenset(parts.config.forward_client_keys)
+        self.forwards_client_priority = PRIORITY_KEY in self.forwarded_client_keys
         # Request ids: a random prefix per app and a counter (uuid4 per call costs more
         # than the rest of the id's uses together).
         self._id_prefix = f"sluice-{uuid.uuid4().hex[:12]}-"
@@ -802,7 +804,8 @@ class _ProxyCall:
             if self.admitted.held_s > 0:
                 parts.metrics.hold_seconds.observe(self.admitted.held_s)
             worker = self.admitted.worker
-            headers = forward_headers(self.raw_headers_in, self.call.session_id)
+            headers = forward_headers(self.raw_headers_in, self.call.session_id,
+                                      self.g.forwards_client_priority)
             content = self.content
             if self.sends_priority and parts.pool.takes_priority(worker):
                 # this worker's treatment (a call placed again may land on another kind)

@@ -179,8 +179,9 @@ class ServeConfig(_Strict):
     # Served by GET /v1/models instead of asking the workers, when set.
     models: list[str] | None = None
     # Client body keys that steer the engine and are dropped before forwarding unless named
-    # here: "priority" (vLLM's scheduling priority: a client's own value then goes as sent,
-    # in place of the policy's engine priority), "vllm_xargs" (every key inside it) or
+    # here: "priority" (vLLM's scheduling priority, and vLLM's X-Vllm-Priority header: a
+    # client's own value then goes as sent and wins over the policy's engine priority),
+    # "vllm_xargs" (every key inside it) or
     # "vllm_xargs.<key>" (that one key). Clients must not outrank the policy by default.
     forward_client_keys: list[str] = []
     limits: LimitsConfig = LimitsConfig()

@@ -3,8 +3,9 @@
 - :class:`UpstreamPool`: per worker, the relay's keep-alive pool
   (:mod:`controller.relay_client`) and an httpx client for health, capacity and models.
 - :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
-  client's ``Connection`` names), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so
-  what comes back can be passed on byte for byte.
+  client's ``Connection`` names) and vLLM's ``X-Vllm-Priority`` (unless the client's priority
+  is forwarded), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so what comes back can
+  be passed on byte for byte.
 - :func:`strip_client_engine_keys`: the client's ``priority`` and ``vllm_xargs`` keys dropped
   unless the config's ``forward_client_keys`` names them.
 - :func:`prepare_body`: ``session_id`` and ``vllm_xargs.continuation_id`` set; a stream whose
@@ -52,6 +53,10 @@ _REPLACED = frozenset({"accept-encoding", "x-session-id"})
 # The same, as the bytes header names arrive in (compared without decoding them per call).
 _NOT_FORWARDED = frozenset(name.encode() for name in HOP_BY_HOP | _REPLACED)
 _IDENTITY_ENCODING = (b"accept-encoding", b"identity")
+# vLLM 0.32 reads a request's priority from this header before its body's ``priority``
+# (entrypoints/generate/base/serving.py ``_get_priority``): the client's priority by another
+# road, dropped like the body key.
+PRIORITY_HEADER = b"x-vllm-priority"
 # Routes whose streams carry OpenAI ``stream_options.include_usage`` chunks.
 USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ERROR_SNIPPET_BYTES = 2048
@@ -59,13 +64,17 @@ ERROR_SNIPPET_BYTES = 2048
 _json_decode = msgspec.json.Decoder().decode
 
 
-def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str) -> list[tuple[bytes, bytes]]:
-    """The client's headers as the worker should see them (``raw`` as ASGI gives them)."""
+def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str,
+                    client_priority: bool = False) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the worker should see them (``raw`` as ASGI gives them).
+    ``client_priority``: ``forward_client_keys`` names ``priority``, so vLLM's priority header
+    goes through too."""
     out: list[tuple[bytes, bytes]] = []
     named_by_connection: set[bytes] | None = None
     for name, value in raw:
         lower = name.lower()
-        if lower in _NOT_FORWARDED or lower.startswith(b"proxy-"):
+        if (lower in _NOT_FORWARDED or lower.startswith(b"proxy-")
+                or (lower == PRIORITY_HEADER and not client_priority)):
             if lower == b"connection":
                 named_by_connection = named_by_connection or set()
                 named_by_connection.update(

@@ -212,4 +212,9 @@ def test_the_clients_priority_is_dropped_for_the_policys_unless_forwarded(forwar
                   "scheduling_policy": "priority"}
         with clocked_gateway([worker], SetClock(), forward_client_keys=forward_client_keys) as gw:
             post(gw.url, "s", body=chat("hello", priority=7))
+            # vLLM reads the same from a header, before the body: dropped alike
+            post(gw.url, "h", **{"x-vllm-priority": "-9"})
     assert bodies(fake, "s")[0]["priority"] == expected
+    [seen] = [seen for seen in fake.seen if seen.body["session_id"] == "h"]
+    assert seen.body["priority"] == 0
+    assert seen.headers.get("x-vllm-priority") == ("-9" if forward_client_keys else None)

@@ -128,6 +128,14 @@ def test_forward_headers_drop_hop_by_hop_and_connection_named_ones():
                    b"x-session-id": b"resolved", b"accept-encoding": b"identity"}
 
 
+@pytest.mark.parametrize("client_priority", [False, True])
+def test_vllms_priority_header_goes_only_when_the_clients_priority_is_forwarded(client_priority):
+    raw = [(b"X-Vllm-Priority", b"-100"), (b"X-Other", b"y")]
+    out = dict((k.lower(), v) for k, v in forward_headers(raw, "s", client_priority))
+    assert (b"x-vllm-priority" in out) is client_priority
+    assert out[b"x-other"] == b"y"
+
+
 def test_prepare_body_sets_session_continuation_and_asks_for_stream_usage():
     body = {"stream": True, "vllm_xargs": {"kv_cache_report_mode": "full"}}
     original_xargs = body["vllm_xargs"]
