@@ -10,7 +10,6 @@ the workers are fake vLLMs that record the bodies they receive (tests/support/fa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from controller.gateway import create_app
 from entry.ports import free_port
 from tests.support.fake_vllm import FakeState
 from tests.support.gateway_harness import (
+    ADMIN,
     Gateway,
     LogSink,
     ServerThread,
@@ -218,3 +218,17 @@ def test_the_clients_priority_is_dropped_for_the_policys_unless_forwarded(forwar
     [seen] = [seen for seen in fake.seen if seen.body["session_id"] == "h"]
     assert seen.body["priority"] == 0
     assert seen.headers.get("x-vllm-priority") == ("-9" if forward_client_keys else None)
+
+
+def test_a_worker_added_at_run_time_gets_the_treatment_its_entry_names():
+    with fakes("w0", "w1") as [(old, old_server), (new, new_server)]:
+        worker = {"name": "w0", "url": old_server.url, "capacity_tokens": 1_000_000}
+        with clocked_gateway([worker], SetClock()) as gw:
+            added = gw.client.post("/sluice/workers", headers=ADMIN, json={
+                "name": "w1", "url": new_server.url, "capacity_tokens": 1_000_000,
+                "scheduling_policy": "priority"})
+            assert added.status_code == 201, added.text
+            assert gw.client.post("/sluice/workers/w0/drain", headers=ADMIN).status_code == 200
+            post(gw.url, "s")
+    assert old.seen == []
+    assert bodies(new, "s")[0]["priority"] == 0
