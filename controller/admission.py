@@ -36,7 +36,7 @@ import anyio
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
 from controller.serve_config import LimitsConfig, WorkerConfig
 from scheduler.actions import (Action, Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release,
-                               Resume, Retain)
+                               Resume, Retain, engine_priority)
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.kv_events import EventBatch
@@ -80,12 +80,18 @@ class DirectiveSink:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """Where a call goes, and how long Sluice held it first."""
+    """Where a call goes, its place in the engine's queue, and how long Sluice held it."""
 
     worker: str
-    priority: float
-    resumed: bool
+    priority: float     # the Admit's: policy-clock time the call counts as arrived
+    admitted_at: float  # the policy's ``now`` when it was admitted (the dispatch)
     held_s: float
+
+    @property
+    def engine_priority(self) -> int:
+        """What the request to a worker started with ``--scheduling-policy priority`` carries
+        (the simulator gives its engines the same: scheduler/actions.py)."""
+        return engine_priority(self.priority, self.admitted_at)
 
 
 class _Waiter:
@@ -146,7 +152,7 @@ class Admission:
                                    "not run", INTERNAL) from None
             if isinstance(decision, Admit):
                 self._dispatched.add(request.request_id)
-                return Admitted(decision.worker, decision.priority, decision.resumed, 0.0)
+                return Admitted(decision.worker, decision.priority, now, 0.0)
             if len(self._waiters) >= limits.max_held_calls:
                 self._forget(request.request_id, now)
                 raise self._refuse("max_held_calls", 429, f"{limits.max_held_calls} calls are "
@@ -456,7 +462,7 @@ class Admission:
             self._log.error("admit for a call nobody waits on", request_id=action.request_id,
                             session_id=action.session_id, worker=action.worker)
             return
-        waiter.outcome = Admitted(action.worker, action.priority, action.resumed,
+        waiter.outcome = Admitted(action.worker, action.priority, now,
                                   max(0.0, now - waiter.held_at))
         self._dispatched.add(action.request_id)
         waiter.event.set()

@@ -16,10 +16,14 @@ One call, in order:
 3. The policy admits it now or holds it (:class:`controller.admission.Admission`); a held
    call waits without polling. Its client going away aborts it in the policy.
 4. It is forwarded to the admitted worker with ``session_id``, ``X-Session-ID`` and
-   ``vllm_xargs.continuation_id`` set; the client's own ``priority`` and ``vllm_xargs`` keys
-   are dropped unless ``forward_client_keys`` names them. A non-streaming answer is passed
-   on whole; a stream is passed on as it arrives (minus the usage chunk Sluice asked for on
-   the client's behalf). The client leaving mid-stream closes the upstream request.
+   ``vllm_xargs.continuation_id`` set, and, to a worker whose vLLM runs
+   ``--scheduling-policy priority`` (``scheduling_policy: priority``), the policy's
+   ``priority`` (chat, completions, Responses; :func:`scheduler.actions.engine_priority`);
+   the client's own ``priority`` and ``vllm_xargs`` keys are dropped unless
+   ``forward_client_keys`` names them (a forwarded client ``priority`` goes as sent). A
+   non-streaming answer is passed on whole; a stream is passed on as it arrives (minus the
+   usage chunk Sluice asked for on the client's behalf). The client leaving mid-stream
+   closes the upstream request.
 5. The real usage goes to the policy (``on_complete``; a tick follows), and a
    ``request_end`` record to the request log.
 
@@ -84,6 +88,7 @@ from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import (
     ERROR_SNIPPET_BYTES,
+    PRIORITY_KEY,
     StreamTap,
     UpstreamPool,
     UsageCounts,
@@ -95,8 +100,10 @@ from controller.upstream import (
     open_upstream,
     prepare_body,
     response_headers,
+    sends_engine_priority,
     strip_client_engine_keys,
     transport_error,
+    with_engine_priority,
 )
 from controller.workers import WorkerRegistry
 from scheduler.calls import CallRequest, Usage
@@ -327,6 +334,7 @@ class _Gateway:
         self.wall = wall_clock
         self.log = parts.log
         self.forwarded_client_keys = frozenset(parts.config.forward_client_keys)
+        self.forwards_client_priority = PRIORITY_KEY in self.forwarded_client_keys
         # Request ids: a random prefix per app and a counter (uuid4 per call costs more
         # than the rest of the id's uses together).
         self._id_prefix = f"sluice-{uuid.uuid4().hex[:12]}-"
@@ -383,6 +391,7 @@ class _Gateway:
                 stream = forward.get("stream") is True
                 drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
                 content = _encode(forward)
+                sends_priority = sends_engine_priority(route, forward)
             except RecursionError:
                 # ... or to encode again
                 if assigned is not None:
@@ -414,7 +423,7 @@ class _Gateway:
         if query:
             path += b"?" + query
         await _ProxyCall(self, route, path, scope["headers"], call, identity, content, stream,
-                         drop_usage, received, received_wall)(receive, send)
+                         drop_usage, received, received_wall, sends_priority)(receive, send)
 
     def _record_refused(self, route: str, status: int, error: str, identity: Identity | None,
                         received: float, received_wall: float) -> None:
@@ -638,12 +647,13 @@ class _ProxyCall:
     __slots__ = ("g", "route", "path", "raw_headers_in", "call", "identity", "content", "stream",
                  "drop_usage", "received", "received_wall", "admitted", "accounted", "finished",
                  "started", "status", "sent_upstream_at", "first_byte_at", "_send", "_scope",
-                 "cut", "answer_kind", "answered", "usage", "error", "recorded")
+                 "cut", "answer_kind", "answered", "usage", "error", "recorded",
+                 "sends_priority")
 
     def __init__(self, gateway: _Gateway, route: str, path: bytes,
                  raw_headers: list[tuple[bytes, bytes]], call: CallRequest, identity: Identity,
                  content: bytes, stream: bool, drop_usage: bool, received: float,
-                 received_wall: float) -> None:
+                 received_wall: float, sends_priority: bool) -> None:
         self.g = gateway
         self.route = route
         self.path = path
@@ -673,6 +683,9 @@ class _ProxyCall:
         self.usage: Usage | None = None  # what the worker reported (or the estimate), if it ran
         self.error: str | None = None  # why the call did not complete, if it did not
         self.recorded = False  # its request_end record is written (before its last byte goes)
+        # the call carries the policy's engine priority to a worker that orders by it
+        # (controller/upstream.py sends_engine_priority)
+        self.sends_priority = sends_priority
 
     async def __call__(self, receive: Receive, send: Send) -> None:
         self._send = send
@@ -791,10 +804,15 @@ class _ProxyCall:
             if self.admitted.held_s > 0:
                 parts.metrics.hold_seconds.observe(self.admitted.held_s)
             worker = self.admitted.worker
-            headers = forward_headers(self.raw_headers_in, self.call.session_id)
+            headers = forward_headers(self.raw_headers_in, self.call.session_id,
+                                      self.g.forwards_client_priority)
+            content = self.content
+            if self.sends_priority and parts.pool.takes_priority(worker):
+                # this worker's treatment (a call placed again may land on another kind)
+                content = with_engine_priority(content, self.admitted.engine_priority)
             self.sent_upstream_at = self.g.clock()
             try:
-                return worker, await open_upstream(parts.pool, worker, self.path, self.content,
+                return worker, await open_upstream(parts.pool, worker, self.path, content,
                                                    headers)
             except WorkerUnreachable as err:
                 await self._account(None)  # it never ran: out of the policy before it goes again

@@ -9,7 +9,8 @@ One YAML document, every top-level key optional except ``workers``::
     health_interval_s: 5.0
     capacity_retry_s: 5.0
     upstream: {connect_timeout_s: 5, read_timeout_s: 600, ...}
-    workers: [{name, url, kv_events, replay, kv_topic?, directives, capacity_tokens?}, ...]
+    workers: [{name, url, kv_events, replay, kv_topic?, directives, capacity_tokens?,
+               scheduling_policy?}, ...]   # scheduling_policy: fcfs | priority (vLLM's flag)
     kv_events_bind: tcp://*:5557          # llm-d layout: one SUB, topics kv@<worker>@<model>
     kv_events_queue: 1000                 # batches queued per worker before drops (repaired)
     kv_replay_timeout_s: 2.0
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -128,6 +129,13 @@ class WorkerConfig(_Strict):
     kv_topic: str | None = None
     directives: str | None = None
     capacity_tokens: Annotated[int, Field(gt=0)] | None = None
+    # How this worker's vLLM was started (its --scheduling-policy). "priority": the gateway
+    # puts the policy's engine priority on each chat, completions and Responses call it sends
+    # there, and vLLM orders its waiting queue by it (held and resumed calls ahead, soft-band
+    # calls later, autellix's queues). "fcfs" (vLLM's default): nothing is added, and the
+    # policy's ordering does not reach this engine. Anthropic Messages calls never carry it:
+    # vLLM 0.32's Messages route has no priority field.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @field_validator("name")
     @classmethod
@@ -171,7 +179,9 @@ class ServeConfig(_Strict):
     # Served by GET /v1/models instead of asking the workers, when set.
     models: list[str] | None = None
     # Client body keys that steer the engine and are dropped before forwarding unless named
-    # here: "priority" (vLLM's scheduling priority), "vllm_xargs" (every key inside it) or
+    # here: "priority" (vLLM's scheduling priority, and vLLM's X-Vllm-Priority header: a
+    # client's own value then goes as sent and wins over the policy's engine priority),
+    # "vllm_xargs" (every key inside it) or
     # "vllm_xargs.<key>" (that one key). Clients must not outrank the policy by default.
     forward_client_keys: list[str] = []
     limits: LimitsConfig = LimitsConfig()

@@ -3,12 +3,17 @@
 - :class:`UpstreamPool`: per worker, the relay's keep-alive pool
   (:mod:`controller.relay_client`) and an httpx client for health, capacity and models.
 - :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
-  client's ``Connection`` names), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so
-  what comes back can be passed on byte for byte.
+  client's ``Connection`` names) and vLLM's ``X-Vllm-Priority`` (unless the client's priority
+  is forwarded), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so what comes back can
+  be passed on byte for byte.
 - :func:`strip_client_engine_keys`: the client's ``priority`` and ``vllm_xargs`` keys dropped
   unless the config's ``forward_client_keys`` names them.
 - :func:`prepare_body`: ``session_id`` and ``vllm_xargs.continuation_id`` set; a stream whose
   client did not ask for usage asks for it (the gateway drops that chunk again).
+- :func:`sends_engine_priority` / :func:`with_engine_priority`: whether a call gets the
+  policy's engine priority on a worker started with ``--scheduling-policy priority``, and the
+  encoded body with it spliced in once the call is admitted (the body is encoded before
+  admission; it is not encoded again).
 - :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
   bytes on as they arrive; in drop mode it holds back at most one unfinished event and
   removes exactly the usage-only chunk it asked for.
@@ -48,6 +53,10 @@ _REPLACED = frozenset({"accept-encoding", "x-session-id"})
 # The same, as the bytes header names arrive in (compared without decoding them per call).
 _NOT_FORWARDED = frozenset(name.encode() for name in HOP_BY_HOP | _REPLACED)
 _IDENTITY_ENCODING = (b"accept-encoding", b"identity")
+# vLLM 0.32 reads a request's priority from this header before its body's ``priority``
+# (entrypoints/generate/base/serving.py ``_get_priority``): the client's priority by another
+# road, dropped like the body key.
+PRIORITY_HEADER = b"x-vllm-priority"
 # Routes whose streams carry OpenAI ``stream_options.include_usage`` chunks.
 USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ERROR_SNIPPET_BYTES = 2048
@@ -55,13 +64,17 @@ ERROR_SNIPPET_BYTES = 2048
 _json_decode = msgspec.json.Decoder().decode
 
 
-def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str) -> list[tuple[bytes, bytes]]:
-    """The client's headers as the worker should see them (``raw`` as ASGI gives them)."""
+def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str,
+                    client_priority: bool = False) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the worker should see them (``raw`` as ASGI gives them).
+    ``client_priority``: ``forward_client_keys`` names ``priority``, so vLLM's priority header
+    goes through too."""
     out: list[tuple[bytes, bytes]] = []
     named_by_connection: set[bytes] | None = None
     for name, value in raw:
         lower = name.lower()
-        if lower in _NOT_FORWARDED or lower.startswith(b"proxy-"):
+        if (lower in _NOT_FORWARDED or lower.startswith(b"proxy-")
+                or (lower == PRIORITY_HEADER and not client_priority)):
             if lower == b"connection":
                 named_by_connection = named_by_connection or set()
                 named_by_connection.update(
@@ -92,6 +105,11 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 PRIORITY_KEY = "priority"
 VLLM_XARGS_KEY = "vllm_xargs"
+# The routes whose vLLM 0.32 request has a ``priority`` field (entrypoints/openai/
+# {chat_completion,completion,responses}/protocol.py). Its Anthropic Messages request has
+# none and ignores unknown keys (entrypoints/anthropic/protocol.py): a Messages call runs at
+# priority 0 there, so nothing is sent.
+ENGINE_PRIORITY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 def strip_client_engine_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -110,6 +128,27 @@ def strip_client_engine_keys(body: dict[str, Any], allowed: frozenset[str]) -> N
         body[VLLM_XARGS_KEY] = kept
     else:
         del body[VLLM_XARGS_KEY]
+
+
+def sends_engine_priority(route: str, body: dict[str, Any]) -> bool:
+    """Whether a call on ``route`` whose forwarded body is ``body`` gets the policy's engine
+    priority when it goes to a ``scheduling_policy: priority`` worker: on the routes vLLM reads
+    it on, unless the body carries the client's own ``priority`` (kept only when
+    ``forward_client_keys`` names it: then the operator lets clients steer the engine, and the
+    client's value goes as sent)."""
+    return route in ENGINE_PRIORITY_ROUTES and PRIORITY_KEY not in body
+
+
+def with_engine_priority(content: bytes, priority: int) -> bytes:
+    """``content``, a JSON object as the relay encoded it (no ``priority`` key), with
+    ``"priority": priority`` spliced in as its first key: one copy of the bytes instead of
+    encoding the body again after admission (measured: 0.5 µs for a 10 KB body, 18 µs for
+    500 KB, where msgspec takes 4 µs and 200 µs to encode it again)."""
+    if content[:1] != b"{":
+        raise ValueError("the relay's body must be an encoded JSON object")
+    if content[1:2] == b"}":
+        return b'{"priority":%d}' % priority
+    return b"".join((b'{"priority":%d,' % priority, memoryview(content)[1:]))
 
 
 def prepare_body(route: str, body: dict[str, Any], session_id: str,
@@ -372,6 +411,8 @@ class UpstreamPool:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._relays: dict[str, WorkerConnections] = {}
         self.urls: dict[str, str] = {}
+        # workers whose vLLM orders its queue by the request's priority (scheduling_policy)
+        self._by_priority: set[str] = set()
         for worker in workers:
             self.add(worker)
 
@@ -386,11 +427,14 @@ class UpstreamPool:
         )
         self._relays[worker.name] = WorkerConnections(worker.url, self._limits)
         self.urls[worker.name] = worker.url
+        if worker.scheduling_policy == "priority":
+            self._by_priority.add(worker.name)
 
     async def remove(self, name: str) -> None:
         """Close the worker's connections (it has no call in flight: it was drained)."""
         relay, client = self._relays.pop(name), self._clients.pop(name)
         del self.urls[name]
+        self._by_priority.discard(name)
         await relay.aclose()
         await client.aclose()
 
@@ -399,6 +443,10 @@ class UpstreamPool:
 
     def relay(self, worker: str) -> WorkerConnections:
         return self._relays[worker]
+
+    def takes_priority(self, worker: str) -> bool:
+        """Whether ``worker``'s vLLM runs ``--scheduling-policy priority`` (its config says so)."""
+        return worker in self._by_priority
 
     def names(self) -> list[str]:
         return list(self._clients)

@@ -19,7 +19,9 @@ import typer
 from entry.usage_error import usage_error
 from scheduler.config import POLICY_NAMES, ConfigError
 from sim.report import format_table, with_ceiling_ratio, write_json
-from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, trace_span_s, workload_feed
+from sim.engine import SCHEDULING_POLICIES
+from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, run_policies,
+                      trace_span_s, workload_feed)
 from sim.step_time import DEFAULT_PRESET, presets
 
 
@@ -42,6 +44,20 @@ HostTierOption = Annotated[bool, typer.Option(
     "--host-tier",
     help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
          "--kv-offload-gb overrides the size.")]
+SchedulingPolicyOption = Annotated[str, typer.Option(
+    "--scheduling-policy", metavar="fcfs|priority",
+    help="The simulated engines' vLLM --scheduling-policy. priority (default, what the "
+         "committed results use): the policy's admission priority orders each engine's "
+         "queue (held and resumed calls ahead, soft-band calls later, autellix's queues); "
+         "fcfs (vLLM's own default): the engines ignore it, as a fleet whose vLLM runs "
+         "without --scheduling-policy priority.")]
+
+
+def check_scheduling_policy(value: str) -> str:
+    if value not in SCHEDULING_POLICIES:
+        raise usage_error(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                          f"got {value!r}")
+    return value
 
 
 def _policies(spec: str) -> list[str]:
@@ -106,10 +122,12 @@ def sim(
     config_path: PolicyConfigOption = None,
     kv_offload_gib: KvOffloadOption = 0.0,
     host_tier: HostTierOption = False,
+    scheduling_policy: SchedulingPolicyOption = DEFAULT_SCHEDULING_POLICY,
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
     _check_preset(preset)
+    check_scheduling_policy(scheduling_policy)
     policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -118,13 +136,15 @@ def sim(
         preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
         ceiling=ceiling, policy_config=policy_config,
         kv_offload_gib=_host_tier_gib(preset, kv_offload_gib, host_tier),
+        scheduling_policy=scheduling_policy,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": _command_line(), "workload": workload, "concurrency": concurrency,
                   "workers": workers, "preset": preset, "duration_s": duration, "seed": seed,
                   "block_size": block_size, "policies": names, "ceiling": ceiling,
-                  "kv_offload_gib": _host_tier_gib(preset, kv_offload_gib, host_tier)}
+                  "kv_offload_gib": _host_tier_gib(preset, kv_offload_gib, host_tier),
+                  "scheduling_policy": scheduling_policy}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
@@ -164,6 +184,7 @@ def replay(
     config_path: PolicyConfigOption = None,
     kv_offload_gib: KvOffloadOption = 0.0,
     host_tier: HostTierOption = False,
+    scheduling_policy: SchedulingPolicyOption = DEFAULT_SCHEDULING_POLICY,
 ) -> None:
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math
@@ -173,6 +194,7 @@ def replay(
     names = _policies(policy)
     policy_config = _policy_config(config_path)
     _check_preset(preset)
+    check_scheduling_policy(scheduling_policy)
     if time_scale <= 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     loader_options = _replay_loader_options(fmt, timing, warm_prefix)
@@ -197,13 +219,14 @@ def replay(
         names, feed_for, workers=workers, preset=preset, duration_s=cap, block_size=block_size,
         stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling, policy_config=policy_config,
         kv_offload_gib=_host_tier_gib(preset, kv_offload_gib, host_tier),
+        scheduling_policy=scheduling_policy,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": _command_line(), "format": fmt, "trace": str(trace), "workers": workers,
                   "preset": preset, "time_scale": time_scale, "block_size": block_size,
                   "policies": names, "ceiling": ceiling, "concurrency": concurrency, "duration_s": duration,
-                  **loader_options}
+                  "scheduling_policy": scheduling_policy, **loader_options}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 

@@ -19,11 +19,12 @@ from typing import Any, Optional
 
 import typer
 
-from entry.sim_commands import _check_preset, _command_line, load_trace
+from entry.sim_commands import (SchedulingPolicyOption, _check_preset, _command_line,
+                                check_scheduling_policy, load_trace)
 from entry.usage_error import usage_error
 from sim import tuning
 from sim.report import format_table, with_ceiling_ratio
-from sim.runs import DEFAULT_BLOCK_SIZE, WORKLOADS
+from sim.runs import DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS
 from sim.step_time import DEFAULT_PRESET
 
 DEFAULT_WORKLOAD = "swebench"
@@ -107,11 +108,13 @@ def tune(
                                   "and the gateway hot-reloads it)."),
     json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False, metavar="PATH",
                                              help="Also write every trial and the check as JSON."),
+    scheduling_policy: SchedulingPolicyOption = DEFAULT_SCHEDULING_POLICY,
 ) -> None:
     """Search a policy's keys on the simulator (Optuna): maximise output tokens/s subject to a
     p99 call-latency limit, check the best against the defaults on held-back data, write a
     `policy:` section."""
     _check_preset(preset)
+    check_scheduling_policy(scheduling_policy)
     if policy not in tuning.SEARCH_SPACES:
         raise usage_error(f"--policy {policy!r} has no search space; tunable: "
                           f"{', '.join(tuning.SEARCH_SPACES)}")
@@ -131,11 +134,11 @@ def tune(
     if fmt is not None or trace is not None:
         tuning_data, held_back = _trace_scenarios(
             workload, fmt, trace, holdout_seed, holdout_fraction, concurrency, workers, preset,
-            time_scale, drain, duration)
+            time_scale, drain, duration, scheduling_policy)
     else:
         tuning_data, held_back = _workload_scenarios(
             workload or DEFAULT_WORKLOAD, concurrency or DEFAULT_CONCURRENCY, seed, holdout_seed,
-            workers, preset, duration or DEFAULT_DURATION_S, block_size)
+            workers, preset, duration or DEFAULT_DURATION_S, block_size, scheduling_policy)
 
     typer.echo(f"tuning {policy} on {tuning_data.label}: {trials} trials, {jobs} processes, "
                f"rounds of {batch}", err=True)
@@ -187,7 +190,8 @@ def tune(
     if json_path is not None:
         doc = {"config": {"command": _command_line(), "policy": policy, "tuning_data": tuning_data.label,
                           "held_back_data": held_back.label, "trials": trials, "batch": batch,
-                          "sampler_seed": seed, "p99_limit_s": study.p99_limit_s,
+                          "sampler_seed": seed, "scheduling_policy": scheduling_policy,
+                          "p99_limit_s": study.p99_limit_s,
                           "held_back_p99_limit_s": held_limit},
                "trials": [record.as_json() for record in study.records],
                "best_trial": best.number if best is not None else None,
@@ -199,7 +203,8 @@ def tune(
 
 
 def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed: Optional[int],
-                        workers: int, preset: str, duration: float, block_size: int):
+                        workers: int, preset: str, duration: float, block_size: int,
+                        scheduling_policy: str):
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     held_seed = seed + 1 if holdout_seed is None else holdout_seed
@@ -207,7 +212,7 @@ def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed
         raise usage_error(f"--holdout-seed must differ from --seed ({seed}): the check needs "
                           "programs the search never saw")
     common = dict(workload=workload, concurrency=concurrency, workers=workers, preset=preset,
-                  duration_s=duration, block_size=block_size)
+                  duration_s=duration, block_size=block_size, scheduling_policy=scheduling_policy)
     where = f"{workload} CC{concurrency}, {workers} workers, {duration:.0f} s"
     return (tuning.WorkloadScenario(label=f"{where}, seed {seed}", seed=seed, **common),
             tuning.WorkloadScenario(label=f"{where}, seed {held_seed}", seed=held_seed, **common))
@@ -216,7 +221,7 @@ def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed
 def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optional[Path],
                      holdout_seed: Optional[int], fraction: float, concurrency: Optional[int],
                      workers: int, preset: str, time_scale: float, drain: float,
-                     duration: Optional[float]):
+                     duration: Optional[float], scheduling_policy: str):
 
     if workload is not None:
         raise usage_error("--workload and --format/--trace are two forms: give one")
@@ -240,7 +245,7 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
                    "the trace's own unless the fleet falls behind; --concurrency N (closed loop) "
                    "or --time-scale < 1 makes the throughput depend on the policy", err=True)
     common = dict(workers=workers, preset=preset, block_size=block_size, concurrency=concurrency,
-                  drain_s=drain, duration_cap_s=duration)
+                  drain_s=drain, duration_cap_s=duration, scheduling_policy=scheduling_policy)
     name = f"{fmt} {trace.name}, {workers} workers, {loop}"
     return (tuning.TraceScenario(label=f"{name}, first {len(tuning_part)} sessions",
                           programs=tuple(tuning_part), **common),

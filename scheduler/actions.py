@@ -1,8 +1,13 @@
 """Decisions the core returns as data; the shells carry them out.
 
-Priorities in :class:`Admit` order an engine's waiting queue: lower runs sooner. A plain
-admission carries its arrival time; a resumed one carries its arrival time minus the
-resume boost, so it jumps ahead of requests that arrived up to that many seconds earlier.
+:attr:`Admit.priority` is the time, on the policy's clock, at which the call counts as having
+arrived in the engine's queue (lower runs sooner, ties by arrival at the engine): a plain
+admission carries the call's arrival; a resumed program's call its arrival minus
+``resume_priority_boost_s``; a call admitted to a soft-band worker its arrival plus
+``soft_band_delay_s``; autellix adds its queue index times a tier so wide that queues never
+mix (scheduler/policies/autellix.py). An engine is not on the policy's clock, so both shells
+hand it :func:`engine_priority`: the same time as milliseconds relative to the moment of
+dispatch, the integer vLLM's ``priority`` field takes (architecture.md §3).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ WorkerName = str
 
 @dataclass(frozen=True, slots=True)
 class Admit:
-    """Send ``request_id`` to ``worker`` now."""
+    """Send ``request_id`` to ``worker`` now, ``priority`` (policy-clock seconds; see the
+    module docstring) placing it in the engine's queue."""
 
     request_id: str
     session_id: SessionId
@@ -105,6 +111,18 @@ class Prefetch:
     priority: int
     continuation_id: ContinuationId | None = None
     deadline_s: float | None = None
+
+
+def engine_priority(priority: float, dispatched_at: float) -> int:
+    """The integer an engine's request carries for an :class:`Admit` of ``priority``
+    dispatched at ``dispatched_at`` (both on the policy's clock): milliseconds from the
+    dispatch to the moment the call counts as having arrived. A call neither held, boosted
+    nor delayed gets 0 (vLLM's default, and what a call gets where the priority is not sent);
+    a held or resumed one a negative value (ahead of later arrivals); a soft-band one a
+    positive value. Relative, because an engine orders its queue by ``(priority, its own
+    arrival time)`` and knows nothing of the policy's clock (vllm/v1/request.py
+    ``Request.__lt__``, 0.32)."""
+    return round((priority - dispatched_at) * 1000.0)
 
 
 Action = Admit | Hold | Resume | Pause | Mark | Retain | Demote | Release | Offload | Prefetch

@@ -15,6 +15,7 @@ from scheduler.config import PolicyConfig
 from scheduler.policies import make_policy
 from sim.programs import ProgramSpec
 from sim.report import Progress
+from sim.engine import SCHEDULING_POLICIES
 from sim.simulation import Batches, ClosedLoop, ProgramFeed, SimResult, Simulation
 from sim.step_time import preset as load_preset
 
@@ -25,6 +26,12 @@ from sim.step_time import preset as load_preset
 DEFAULT_BLOCK_SIZE = 64
 
 WORKLOADS = ("swebench", "rl_rollout", "rl_swe")
+
+# The simulated engines' vLLM --scheduling-policy unless a run says otherwise: "priority",
+# where the policy's Admit priority orders each engine's queue (what every committed result
+# was measured with). "fcfs" is vLLM's own default: the engines ignore the priority, as a
+# fleet whose vLLM runs without --scheduling-policy priority does.
+DEFAULT_SCHEDULING_POLICY = "priority"
 
 # The ceiling row: the same programs on the same fleet with a KV pool this many times the
 # preset's, placed by least_loaded. The pool never fills on the committed runs (its only
@@ -101,12 +108,17 @@ def run_policies(
     label: str = "",
     ceiling: bool = False,
     kv_offload_gib: float = 0.0,
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
 ) -> list[SimResult]:
     """One result per policy, in order; with ``ceiling``, a last result named
     :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`).
     ``kv_offload_gib`` > 0 gives every worker, under every policy, a host KV tier of that size
     (vLLM's native CPU offloading, ``--kv-offloading-size``), and tells the policies that know
-    the tier (program_aware's ``retention.host_tier``, unless the config set it)."""
+    the tier (program_aware's ``retention.host_tier``, unless the config set it).
+    ``scheduling_policy`` is every engine's vLLM ``--scheduling-policy`` (the ceiling's too)."""
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                         f"got {scheduling_policy!r}")
     model = load_preset(preset).with_host_tier(kv_offload_gib)
     runs: list[tuple[str, str, int | None]] = [(name, name, None) for name in policies]
     if ceiling:
@@ -122,7 +134,8 @@ def run_policies(
         simulation = Simulation(policy, feed_for(), workers=workers, model=model,
                                 duration_s=duration_s, block_size=block_size,
                                 num_blocks=num_blocks, progress=progress,
-                                stop_when_done=stop_when_done)
+                                stop_when_done=stop_when_done,
+                                scheduling_policy=scheduling_policy)
         result = simulation.run()
         if shown != name:
             result = dataclasses.replace(result, policy=shown)
@@ -141,5 +154,5 @@ def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: A
     return scale_times(programs, time_scale), block_size
 
 
-__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "WORKLOADS", "replay_programs",
+__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "replay_programs",
            "run_policies", "scale_times", "trace_span_s", "workload_feed"]

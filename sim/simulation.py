@@ -3,9 +3,10 @@ gateway runs, in virtual time (architecture.md §1, §5.6).
 
 The driver only feeds the policy observations (arrivals, completions with usage, KV event
 batches from the engines, ticks) and carries out its decisions: an ``Admit`` queues the
-call on that engine with the admission's priority (which orders the engine's queue only
-under ``scheduling_policy="priority"``, as vLLM's ``--scheduling-policy``), a ``Hold`` keeps it until a later
-``Admit``, ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order, and
+call on that engine with :func:`scheduler.actions.engine_priority` of its priority, the
+integer the gateway sends a live engine (it orders the engine's queue only under
+``scheduling_policy="priority"``, as vLLM's ``--scheduling-policy``; under ``"fcfs"`` the
+engines ignore it), a ``Hold`` keeps it until a later ``Admit``, ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order, and
 ``Offload`` / ``Prefetch`` do the same in its host tier (the engine plugin's semantics). It
 never decides anything itself.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.actions import (Action, Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release,
-                               Resume, Retain)
+                               Resume, Retain, engine_priority)
 from scheduler.calls import CallRequest, Usage
 from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 from scheduler.kv_events import EventBatch
@@ -472,7 +473,7 @@ class Simulation:
             hashes=hashes,
             prompt_tokens=call_spec.prompt_tokens,
             output_tokens=call_spec.output_tokens,
-            priority=now,
+            priority=0,  # set by the Admit that dispatches it
             arrival=now,
             known_prefix_tokens=min(program.previous_sequence_tokens, call_spec.prompt_tokens),
         )
@@ -495,7 +496,8 @@ class Simulation:
     def _dispatch(self, admit: Admit, now: float) -> None:
         call = self._calls[admit.request_id]
         engine_request = call.engine_request
-        engine_request.priority = admit.priority
+        # what a live engine gets from the gateway: relative to this dispatch, in ms
+        engine_request.priority = engine_priority(admit.priority, now)
         index = self._engine_index[admit.worker]
         engine = self.engines[index]
         was_running = engine._run is not None

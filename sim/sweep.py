@@ -11,13 +11,14 @@ import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_text, parse_policy_config
 from sim.report import format_markdown, with_ceiling_ratio
-from sim.runs import CEILING, DEFAULT_BLOCK_SIZE, WORKLOADS, run_policies, workload_feed
+from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,
+                      run_policies, workload_feed)
 from sim.step_time import DEFAULT_PRESET, presets
 
 
@@ -39,6 +40,9 @@ class SweepConfig(BaseModel):
     ceiling: bool = True
     # GiB of host KV tier per worker under every policy (vLLM's native CPU offloading); 0: none
     kv_offload_gib: Annotated[float, Field(ge=0)] = 0.0
+    # the engines' vLLM --scheduling-policy (sluice sim --scheduling-policy): priority orders
+    # each engine's queue by the policy's admission priority; fcfs ignores it
+    scheduling_policy: Literal["fcfs", "priority"] = DEFAULT_SCHEDULING_POLICY
     policy: dict[str, Any] = {}
 
     @field_validator("workload")
@@ -93,6 +97,7 @@ def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
         workers=sweep.workers, preset=sweep.preset, duration_s=sweep.duration_s,
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
         ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
+        scheduling_policy=sweep.scheduling_policy,
     )
     row = {"concurrency": concurrency, **result.summary(),
            "marks": result.marks, "forced_resumes": result.forced_resumes,
@@ -120,7 +125,8 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
         f"# {sweep.name}\n\nMade by `{command}`.\n\n"
         f"Workload `{sweep.workload}`, {sweep.workers} workers, preset `{sweep.preset}`, "
         f"{sweep.duration_s:.0f} s of simulated time per run, seed {sweep.seed}, "
-        f"block size {sweep.block_size}.\n\n{table}\n"
+        f"block size {sweep.block_size}, engines' scheduling policy {sweep.scheduling_policy}."
+        f"\n\n{table}\n"
     )
     plot_sweep(rows, out, sweep.name)
     return out

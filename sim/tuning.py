@@ -60,7 +60,8 @@ import yaml
 
 from scheduler.config import PolicyConfig, make_policy_config, section_class
 from sim.programs import ProgramSpec
-from sim.runs import DEFAULT_BLOCK_SIZE, run_policies, trace_span_s, workload_feed
+from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, run_policies, trace_span_s,
+                      workload_feed)
 from sim.simulation import (ConversationLoop, OpenLoop, ProgramFeed, SimResult, group_conversations,
                             shifted_program)
 
@@ -188,6 +189,7 @@ class Scenario(Protocol):
     workers: int
     preset: str
     block_size: int
+    scheduling_policy: str  # the engines' vLLM --scheduling-policy
 
     def feed(self) -> ProgramFeed: ...
 
@@ -211,6 +213,7 @@ class WorkloadScenario:
     duration_s: float
     block_size: int = DEFAULT_BLOCK_SIZE
     stop_when_done: bool = False
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
 
     def feed(self) -> ProgramFeed:
         return workload_feed(self.workload, self.concurrency, self.seed)
@@ -230,6 +233,7 @@ class TraceScenario:
     drain_s: float = 1800.0
     duration_cap_s: float | None = None
     stop_when_done: bool = True
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
 
     @property
     def duration_s(self) -> float:
@@ -290,13 +294,14 @@ def measure(scenario: Scenario, keys: dict[str, Any] | None) -> Measurement:
         [result] = run_policies([], scenario.feed, workers=scenario.workers, preset=scenario.preset,
                                 duration_s=scenario.duration_s, block_size=scenario.block_size,
                                 stop_when_done=scenario.stop_when_done, show_progress=False,
-                                ceiling=True)
+                                ceiling=True, scheduling_policy=scenario.scheduling_policy)
     else:
         config = policy_config(keys)
         [result] = run_policies([config.name], scenario.feed, workers=scenario.workers,
                                 preset=scenario.preset, duration_s=scenario.duration_s,
                                 block_size=scenario.block_size, policy_config=config,
-                                stop_when_done=scenario.stop_when_done, show_progress=False)
+                                stop_when_done=scenario.stop_when_done, show_progress=False,
+                                scheduling_policy=scenario.scheduling_policy)
     return Measurement(output_tokens_per_s=objective(result),
                        p99_call_s=result.latency_quantile(0.99), hit_rate=result.hit_rate,
                        summary=result.summary())

@@ -15,13 +15,17 @@ What the paper does, and how Sluice expresses it
 - **Discretised queues** (§4.2.2, faithful). Priorities are binned into K queues
   ``Q_1 … Q_K``, ``Q_i = [lo_i, hi_i)``, ``lo_1 = 0``, ``hi_K = ∞``; a call enters the queue
   its program's service falls in (not always ``Q_1`` as in plain MLFQ) and calls run FCFS
-  within a queue. The queue index is the call's :class:`Admit` priority (lower runs
-  sooner). The engine breaks ties by arrival, so a queue is FCFS: in the simulator by its
-  admission order, on vLLM (``--scheduling-policy priority``, whose waiting queue is
-  ordered by ``(priority, arrival_time)``) by the request's arrival. Under KV pressure
-  both preempt the running call of the lowest priority first, which is the one of the
-  most-served program. (Sluice's gateway does not yet put the priority on the request it
-  forwards, so in front of real engines this baseline is its load balancer alone.)
+  within a queue. The call's :class:`Admit` priority is its arrival plus the queue index
+  times :data:`QUEUE_TIER_S`, a time offset wider than any wait, so after the shells'
+  transform (:func:`scheduler.actions.engine_priority`: milliseconds relative to dispatch)
+  every call of ``Q_i`` still goes before every call of ``Q_{i+1}``, and within a queue the
+  one that arrived (or was held) first goes first: FCFS. The engine breaks the remaining
+  ties by its own arrival order (vLLM ``--scheduling-policy priority`` orders its waiting
+  queue by ``(priority, arrival_time)``; the simulator by admission order). Under KV
+  pressure both preempt the running call of the largest priority first, which is the one
+  of the most-served program. In front of real engines this needs vLLM started with
+  ``--scheduling-policy priority`` and the worker declared so (``scheduling_policy:
+  priority``); elsewhere this baseline is its load balancer alone.
 - **Anti-starvation** (§4.2.2, approximated). The paper moves a waiting call to ``Q_1``
   once ``(W_p + W_c) / (T_p + T_c) ≥ β`` (``W``: time waiting in the engine's queue, ``T``:
   service; ``p`` the program's finished calls, ``c`` this call so far). A gateway cannot
@@ -112,6 +116,13 @@ def call_service_s(usage: Usage, baselines: BaselineConfig) -> float:
             + computed_prompt * baselines.autellix_prefill_token_s)
 
 
+# Seconds between two PLAS queues in :attr:`Admit.priority` (10^6 s, 11.6 days): larger than
+# any time a call is held or waits in an engine's queue, so the queues stay strict tiers once
+# the priority is made relative to dispatch (an engine sees 10^9 ms per queue, far inside
+# vLLM's int64 ``priority``).
+QUEUE_TIER_S = 1_000_000.0
+
+
 class AutellixPolicy(RouterPolicy):
     name = "autellix"
     # It never holds a call while a worker is healthy, so a tick after each completion
@@ -140,7 +151,11 @@ class AutellixPolicy(RouterPolicy):
         return bisect.bisect_right(self._bounds, entry.service_s)
 
     def _with_plas_priority(self, admit: Admit) -> Admit:
-        return dataclasses.replace(admit, priority=float(self.queue_index(admit.session_id)))
+        """The call's arrival, ``queue index × QUEUE_TIER_S`` later: its PLAS queue first,
+        then FCFS within the queue."""
+        arrived_at = self.calls[admit.request_id].arrived_at
+        level = self.queue_index(admit.session_id)
+        return dataclasses.replace(admit, priority=arrived_at + level * QUEUE_TIER_S)
 
     def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
         decision = super().decide_arrival(program, call, now)

@@ -34,6 +34,13 @@ calls → resume → pause → soft band → retention.
   (as ThunderAgent does), and the resume pass orders them.
 - **Soft band**: calls admitted to a worker with ``pause_target ≤ U < pause_threshold`` go
   ``soft_band_delay_s`` seconds later in the engine's queue (the Dynamo port's soft demote).
+- **Engine priority**: every :class:`Admit` carries the call's arrival (a held call keeps its
+  place), minus ``resume_priority_boost_s`` for a resumed program's calls, plus
+  ``soft_band_delay_s`` in a soft band; the shells hand the engine
+  :func:`scheduler.actions.engine_priority` of it (ms relative to dispatch). It orders the
+  queue of the simulator's engines and of a vLLM started with ``--scheduling-policy
+  priority`` and declared so (``scheduling_policy: priority``); under vLLM's default
+  ``fcfs`` the soft band and the boost do not act (architecture.md §3).
 - **Retention**: a placed or resumed program gets ``Retain`` (refreshed before its TTL
   runs out while it stays active, dormant or not); a paused one ``Demote``; a released one
   ``Release``.

@@ -128,8 +128,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     if report.failed and item.get_closest_marker("e2e") is not None:
-        fleet = item.funcargs.get("vllm_fleet") or item.funcargs.get("fleet") if hasattr(item, "funcargs") else None
-        if isinstance(fleet, Fleet):
+        # the session's fleet, or a module's own (started with other flags)
+        fleets = [value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Fleet)]
+        for fleet in fleets[:1]:
             report.sections.append(("vLLM worker logs", fleet.logs()))
 
 

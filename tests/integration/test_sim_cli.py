@@ -112,11 +112,33 @@ def test_sim_without_json_writes_no_file(runner, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sim_scheduling_policy_reaches_every_engine_and_the_report(runner, tmp_path, monkeypatch):
+    import sim.runs
+
+    given: list[str] = []
+
+    class Recorded(sim.runs.Simulation):
+        def __init__(self, *args, scheduling_policy: str, **kwargs):
+            given.append(scheduling_policy)
+            super().__init__(*args, scheduling_policy=scheduling_policy, **kwargs)
+
+    monkeypatch.setattr(sim.runs, "Simulation", Recorded)
+    for flag, expected in (([], "priority"), (["--scheduling-policy", "fcfs"], "fcfs")):
+        given.clear()
+        out = tmp_path / f"{expected}.json"
+        result = invoke(runner, "sim", "--concurrency", 2, "--workers", 1, "--duration", 20,
+                        "--policy", "least_loaded,autellix", *flag, "--json", out)
+        assert result.exit_code == 0, result.output
+        assert given == [expected] * 3  # both policies and the ceiling
+        assert json.loads(out.read_text())["config"]["scheduling_policy"] == expected
+
+
 @pytest.mark.parametrize("option,value,fragment", [
     ("--policy", "program_aware,nope", "unknown policy nope"),
     ("--policy", " , ", "--policy needs at least one policy name"),
     ("--preset", "gpt-9-tpu", "unknown preset 'gpt-9-tpu'"),
     ("--workload", "chatbot", "unknown workload 'chatbot'"),
+    ("--scheduling-policy", "lifo", "--scheduling-policy must be one of fcfs, priority, got 'lifo'"),
 ])
 def test_sim_rejects_unknown_names_with_status_2(runner, tmp_path, option, value, fragment):
     out = tmp_path / "never.json"
@@ -449,6 +471,35 @@ def test_sweep_writes_table_json_and_plots(runner, tmp_path):
     assert f"wrote {out_dir}/results.md" in result.stdout
 
 
+def test_sweep_scheduling_policy_key_reaches_each_run_and_the_report(runner, tmp_path, monkeypatch):
+    import sim.sweep
+    from sim.sweep import load_sweep
+
+    config = write_sweep(tmp_path / "sweep.yaml", tmp_path / "out", scheduling_policy="fcfs")
+    spec, policy_config = load_sweep(config.read_text(), str(config))
+    assert spec.scheduling_policy == "fcfs"
+    assert load_sweep(write_sweep(tmp_path / "default.yaml", tmp_path / "d").read_text(),
+                      "default.yaml")[0].scheduling_policy == "priority"
+    given: list[str] = []
+    run_policies = sim.sweep.run_policies
+
+    def recorded(*args, scheduling_policy: str, **kwargs):
+        given.append(scheduling_policy)
+        return run_policies(*args, scheduling_policy=scheduling_policy, **kwargs)
+
+    monkeypatch.setattr(sim.sweep, "run_policies", recorded)
+    sim.sweep._one((spec, policy_config, 2, "least_loaded"))
+    assert given == ["fcfs"]
+    # through the command: the report says which it ran under
+    result = invoke(runner, "sweep", write_sweep(tmp_path / "one.yaml", tmp_path / "one",
+                                                 concurrency="[2]", policies="[least_loaded]",
+                                                 ceiling="false", scheduling_policy="fcfs"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "one" / "results.json").read_text())["config"][
+        "scheduling_policy"] == "fcfs"
+    assert "engines' scheduling policy fcfs" in (tmp_path / "one" / "results.md").read_text()
+
+
 def test_sweep_jobs_do_not_change_the_results(runner, tmp_path):
     one = write_sweep(tmp_path / "one.yaml", tmp_path / "one", concurrency="[3]")
     two = write_sweep(tmp_path / "two.yaml", tmp_path / "two", concurrency="[3]", jobs=2)
@@ -465,6 +516,7 @@ def test_sweep_jobs_do_not_change_the_results(runner, tmp_path):
     ({"preset": "tpu-v9"}, ["preset", "unknown preset 'tpu-v9'"]),
     ({"concurrency": "[0, 4]"}, ["concurrency.0"]),
     ({"policy": "{pause_target: 0.99, pause_threshold: 0.95}"}, ["pause_target", "pause_threshold"]),
+    ({"scheduling_policy": "lifo"}, ["scheduling_policy", "'fcfs' or 'priority'"]),
 ])
 def test_sweep_bad_config_exits_2_naming_the_key(runner, tmp_path, overrides, fragments):
     out_dir = tmp_path / "never"

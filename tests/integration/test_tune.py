@@ -147,6 +147,7 @@ def test_tune_on_the_gateways_request_log_checks_the_held_back_sessions(runner, 
     (("--format", "sluice", "--trace", "x.jsonl", "--holdout-fraction", "1.5"),
      ["--holdout-fraction must be between 0 and 1"]),
     (("--format", "nope", "--trace", "x.jsonl"), ["unknown trace format 'nope'"]),
+    (("--scheduling-policy", "lifo"), ["--scheduling-policy must be one of fcfs, priority"]),
 ])
 def test_bad_flags_exit_2_with_the_reason(runner, tmp_path, monkeypatch, args, fragments):
     monkeypatch.chdir(tmp_path)

@@ -130,6 +130,8 @@ class Fleet:
     model_dir: Path
     workdir: Path
     workers: list[VllmWorker] = field(default_factory=list)
+    # more vLLM flags for every worker of this fleet (e.g. --scheduling-policy priority)
+    extra_args: tuple[str, ...] = ()
 
     def __getitem__(self, name: str) -> VllmWorker:
         for worker in self.workers:
@@ -158,6 +160,7 @@ class Fleet:
             "--enable-prompt-tokens-details",
             "--enforce-eager",  # no torch.compile warm-up: ~25 s less start-up per worker
             "--kv-events-config", json.dumps(kv_events),
+            *self.extra_args,
         ]
 
     def environment(self, worker: VllmWorker) -> dict[str, str]:

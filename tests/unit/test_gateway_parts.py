@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from controller.serve_config import ServeConfig, load_serve_config, parse_serve_config
-from controller.upstream import StreamTap, UsageCounts, forward_headers, prepare_body
+from controller.upstream import (
+    StreamTap,
+    UsageCounts,
+    forward_headers,
+    prepare_body,
+    sends_engine_priority,
+    strip_client_engine_keys,
+    with_engine_priority,
+)
 from controller.workers import CapacityUnknown, capacity_from_metrics
 from scheduler.config import ConfigError
 
@@ -37,6 +45,7 @@ def test_example_yaml_loads_and_its_gateway_keys_are_the_defaults():
     ({"workers": [WORKER, {"name": "w0", "url": "http://b:1"}]}, ["workers"]),
     ({"workers": [{**WORKER, "capacity_tokens": 0}]}, ["workers.0.capacity_tokens"]),
     ({"workers": [{**WORKER, "kv_events": "http://x:1"}]}, ["workers.0.kv_events"]),
+    ({"workers": [{**WORKER, "scheduling_policy": "lifo"}]}, ["workers.0.scheduling_policy"]),
     ({"workers": [WORKER], "listen": {"port": 70000}, "max_body_bytes": 1}, ["listen.port", "max_body_bytes"]),
     ({"workers": [WORKER], "upstream": {"read_timeout_s": 0}}, ["upstream.read_timeout_s"]),
     ({"workers": [WORKER], "policy": {"pause_threshold": 9}}, ["policy.pause_threshold"]),
@@ -119,6 +128,14 @@ def test_forward_headers_drop_hop_by_hop_and_connection_named_ones():
                    b"x-session-id": b"resolved", b"accept-encoding": b"identity"}
 
 
+@pytest.mark.parametrize("client_priority", [False, True])
+def test_vllms_priority_header_goes_only_when_the_clients_priority_is_forwarded(client_priority):
+    raw = [(b"X-Vllm-Priority", b"-100"), (b"X-Other", b"y")]
+    out = dict((k.lower(), v) for k, v in forward_headers(raw, "s", client_priority))
+    assert (b"x-vllm-priority" in out) is client_priority
+    assert out[b"x-other"] == b"y"
+
+
 def test_prepare_body_sets_session_continuation_and_asks_for_stream_usage():
     body = {"stream": True, "vllm_xargs": {"kv_cache_report_mode": "full"}}
     original_xargs = body["vllm_xargs"]
@@ -137,6 +154,43 @@ def test_prepare_body_sets_session_continuation_and_asks_for_stream_usage():
 
 
 # -- the SSE tap ----------------------------------------------------------------------------
+
+
+def test_a_worker_is_fcfs_unless_its_config_says_priority():
+    config = parse_serve_config({"workers": [WORKER, {"name": "w1", "url": "http://127.0.0.1:8001",
+                                                     "scheduling_policy": "priority"}]})
+    assert [w.scheduling_policy for w in config.workers] == ["fcfs", "priority"]
+
+
+@pytest.mark.parametrize("route,sends", [
+    ("/v1/chat/completions", True), ("/v1/completions", True), ("/v1/responses", True),
+    ("/v1/messages", False),  # vLLM 0.32's Messages request has no priority field
+])
+def test_engine_priority_goes_on_the_routes_vllm_reads_it_on(route, sends):
+    assert sends_engine_priority(route, {"model": "m"}) is sends
+
+
+@pytest.mark.parametrize("forwarded,sends", [((), True), (("priority",), False)])
+def test_a_forwarded_client_priority_goes_as_sent_and_the_policys_is_not_added(forwarded, sends):
+    body = {"model": "m", "priority": 7}
+    strip_client_engine_keys(body, frozenset(forwarded))
+    assert sends_engine_priority("/v1/chat/completions", body) is sends
+    assert body.get("priority") == (7 if forwarded else None)
+
+
+@pytest.mark.parametrize("priority", [0, -5_000, 2_000, 7 * 10**9])
+def test_engine_priority_is_spliced_into_the_encoded_body_as_a_json_key(priority):
+    import msgspec
+
+    body = {"model": "m", "session_id": "s", "messages": [{"role": "user", "content": "{x}"}],
+            "vllm_xargs": {"continuation_id": "c"}}
+    content = msgspec.json.encode(body)
+    spliced = with_engine_priority(content, priority)
+    assert json.loads(spliced) == {"priority": priority, **body}
+    assert spliced.endswith(content[1:])  # the rest is the same bytes, not encoded again
+    assert json.loads(with_engine_priority(b"{}", priority)) == {"priority": priority}
+    with pytest.raises(ValueError, match="JSON object"):
+        with_engine_priority(b"[1]", priority)
 
 
 def _sse(obj) -> bytes:

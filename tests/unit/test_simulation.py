@@ -573,3 +573,45 @@ def test_invalid_simulation_arguments_are_rejected():
         simulation("round_robin", OpenLoop([program(0)]), workers=0)
     with pytest.raises(ValueError, match="duration"):
         simulation("round_robin", OpenLoop([program(0)]), duration_s=0.0)
+
+
+# -- the engines' scheduling policy -----------------------------------------------------------
+
+
+def _queue_jump_run(scheduling_policy: str) -> tuple[list[str], dict[str, int]]:
+    """One engine that runs one sequence at a time, under autellix. ``heavy`` has 2 s of
+    attained service once its first call ends (PLAS queue 3); its second call arrives while
+    ``blocker`` runs, and ``light``'s first call (queue 1) after it. Returns the order in which
+    those two completed and the priority each call's engine request carried."""
+    one_at_a_time = dataclasses.replace(MODEL, max_num_seqs=1)
+    programs = [
+        ProgramSpec("heavy", [CallSpec(9, 100), CallSpec(117, 5, think_s=0.1)], 0, start_at=0.0),
+        ProgramSpec("blocker", [CallSpec(9, 200)], 1, start_at=0.5),
+        ProgramSpec("light", [CallSpec(9, 5)], 2, start_at=2.0),
+    ]
+    sim = Simulation(make_policy(name="autellix"), OpenLoop(programs), workers=1,
+                     model=one_at_a_time, duration_s=60.0, block_size=BS, num_blocks=64,
+                     stop_when_done=True, scheduling_policy=scheduling_policy)
+    engine = sim.engines[0]
+    sent: dict[str, int] = {}
+    add_request = engine.add_request
+
+    def record(request, now):
+        sent[request.request_id] = request.priority
+        return add_request(request, now)
+
+    engine.add_request = record
+    rec = Recorder(sim)
+    sim.run()
+    order = [rid for rid, *_ in rec.completions if rid in ("heavy#1", "light#0")]
+    return order, sent
+
+
+def test_under_priority_the_engine_runs_the_better_queue_first_and_under_fcfs_by_arrival():
+    by_priority, sent = _queue_jump_run("priority")
+    by_arrival, sent_fcfs = _queue_jump_run("fcfs")
+    # the engine requests carry engine_priority: ms relative to dispatch, autellix's queue
+    # index 2 as 2 × 10^9 (every call here is admitted on arrival)
+    assert sent == sent_fcfs == {"heavy#0": 0, "blocker#0": 0, "heavy#1": 2 * 10**9, "light#0": 0}
+    assert by_priority == ["light#0", "heavy#1"]  # light arrived later but is in a better queue
+    assert by_arrival == ["heavy#1", "light#0"]   # fcfs ignores the priority

@@ -16,10 +16,12 @@ from sim.tuning import (
     HeldBackCheck,
     Measurement,
     TrialRecord,
+    WorkloadScenario,
     best_record,
     default_p99_limit_s,
     default_params,
     held_back_split,
+    measure,
     objective,
     p99_excess_s,
     policy_config,
@@ -186,3 +188,24 @@ def test_the_file_is_a_policy_file_with_its_comments():
     text = policy_yaml(keys, ["made by: sluice tune", "two\nlines"])
     assert text.startswith("# made by: sluice tune\n# two\n# lines\npolicy:\n  name: program_aware\n")
     assert parse_policy_yaml(text) == ProgramAwareConfig()
+
+
+def test_a_scenario_is_measured_under_its_engines_scheduling_policy(monkeypatch):
+    import sim.tuning
+
+    given: list[str] = []
+    run_policies = sim.tuning.run_policies
+
+    def recorded(*args, scheduling_policy: str, **kwargs):
+        given.append(scheduling_policy)
+        return run_policies(*args, scheduling_policy=scheduling_policy, **kwargs)
+
+    monkeypatch.setattr(sim.tuning, "run_policies", recorded)
+    scenario = WorkloadScenario(label="tiny", workload="swebench", concurrency=2, seed=7,
+                                workers=1, preset="llama3.1-8b-h100", duration_s=20.0,
+                                scheduling_policy="fcfs")
+    measure(scenario, policy_keys("program_aware", default_params("program_aware")))
+    measure(scenario, None)  # the ceiling too
+    assert given == ["fcfs", "fcfs"]
+    assert WorkloadScenario(label="tiny", workload="swebench", concurrency=2, seed=7, workers=1,
+                            preset="llama3.1-8b-h100", duration_s=20.0).scheduling_policy == "priority"
