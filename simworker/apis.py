@@ -584,11 +584,11 @@ class OpenAIResponses:
     async def events(self, call: Call, progress: AsyncIterator[Progress]) -> AsyncIterator[bytes]:
         sequence = 0
 
-        def event(name: str, **fields: Any) -> bytes:
+        def event(event_type: str, **fields: Any) -> bytes:
             nonlocal sequence
-            data = {"type": name, "sequence_number": sequence, **fields}
+            data = {"type": event_type, "sequence_number": sequence, **fields}
             sequence += 1
-            return sse_event(name, data)
+            return sse_event(event_type, data)
 
         opening = self._response(call, "in_progress", [], None)
         yield event("response.created", response=opening)
