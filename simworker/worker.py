@@ -87,11 +87,11 @@ import dataclasses
 import itertools
 import time
 from array import array
-from http import HTTPStatus
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from random import Random
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -136,6 +136,19 @@ from simworker.directive_socket import DirectiveSocket
 from simworker.kv_publisher import KvEventPublisher
 from simworker.tool_calls import AUTO, NO_TOOL_CHOICE, ToolCallReply, ToolChoice, ToolSpec, plan_tool_call, random_hex
 from simworker.validation import InvalidRequest, check_media_type, parse_json, validate_body
+
+class Prepared(NamedTuple):
+    """A call ready for the engine: its prompt's length, the whole sequence (prompt then
+    reply), the reply's text pieces, the sequence's full-block hashes, the finish reason and
+    the reply's tool call (None for text)."""
+
+    prompt_tokens: int
+    tokens: array
+    pieces: list[str]
+    hashes: list[int]
+    finish: str
+    tool_call: ToolCallReply | None
+
 
 # The model length a worker serves when none is set (or its pool, if larger): Llama 3.1's
 # and Qwen3's (with YaRN) context, the models of sim/step_time.py's presets.
@@ -499,12 +512,11 @@ class SimWorker:
                        f"tokens. Please reduce the length of the input prompt.", "input_tokens",
                        prompt_tokens if exact else limit + 1)
 
-    def _prepare(self, plan: PromptPlan, params: CallParams, leading_space: bool, draw: int
-                 ) -> tuple[list[int], array, list[str], list[int], str, ToolCallReply | None, int]:
-        """Prompt tokens, the reply (its pieces, finish reason and tool call), the block hashes
-        and the tool results counted (runs in a worker thread: long prompts take
-        milliseconds). ``draw`` seeds the call's random source unless the reply must be
-        reproducible, when the prompt and ``seed`` do."""
+    def _prepare(self, plan: PromptPlan, params: CallParams, leading_space: bool, draw: int) -> Prepared:
+        """The prompt, the reply and the sequence's block hashes (runs in a worker thread:
+        long prompts take milliseconds). ``draw`` seeds the call's random source unless the
+        reply must be reproducible, when the prompt and ``seed`` do. Raises BadRequest or
+        PromptError."""
         if params.max_tokens is not None and params.max_tokens > self.max_model_len:
             raise refused(f"{params.max_tokens_param}={params.max_tokens} cannot be greater than "
                           f"max_model_len={self.max_model_len}. Please request fewer output tokens.",
@@ -546,7 +558,7 @@ class SimWorker:
         tokens = array("I", prompt)  # 4 bytes a token: running calls may hold long contexts
         tokens.extend(out_ids)
         hashes = block_hashes(tokens, self.engine.block_size, params.cache_salt)
-        return prompt, tokens, pieces, hashes, finish, tool_call, plan.tool_results
+        return Prepared(len(prompt), tokens, pieces, hashes, finish, tool_call)
 
     async def _read_body(self, request: Request, shape: CallShape) -> dict[str, Any]:
         """The body as vLLM reads it: JSON, what its models check before their fields, then
@@ -572,7 +584,7 @@ class SimWorker:
             body, params, plan = await self._admit(request, shape)
             echo = shape.echo(body)
             # A completion continues the prompt's text; the other APIs start a new message.
-            prompt, tokens, pieces, hashes, finish, tool_call, tool_results = await anyio.to_thread.run_sync(
+            prepared = await anyio.to_thread.run_sync(
                 self._prepare, plan, params, shape.kind == "completion", self.rng.getrandbits(64))
         except InvalidRequest as err:
             return invalid_request_response(err)
@@ -582,14 +594,14 @@ class SimWorker:
             return shape.error(err)
         response_id = shape.response_id()
         engine_request = EngineRequest(
-            request_id=response_id, session_id=params.session_id, hashes=hashes,
-            prompt_tokens=len(prompt), output_tokens=len(pieces), priority=params.priority,
-            arrival=self.vnow(), continuation_id=params.continuation_id, token_ids=tokens,
+            request_id=response_id, session_id=params.session_id, hashes=prepared.hashes,
+            prompt_tokens=prepared.prompt_tokens, output_tokens=len(prepared.pieces), priority=params.priority,
+            arrival=self.vnow(), continuation_id=params.continuation_id, token_ids=prepared.tokens,
             report_reuse=params.report_full,
         )
         call = Call(shape.kind, response_id, params.model or self.config.model, int(time.time()),
-                    params, engine_request, pieces, finish, echo, tool_call=tool_call,
-                    tool_results=tool_results)
+                    params, engine_request, prepared.pieces, prepared.finish, echo, tool_call=prepared.tool_call,
+                    tool_results=plan.tool_results)
         try:
             self.submit(call)
         except BadRequest as err:

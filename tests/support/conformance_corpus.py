@@ -350,6 +350,10 @@ CASES: list[Case] = [
     Case("responses: unknown previous_response_id", RESPONSES, responses(previous_response_id="resp_unknown")),
     Case("responses: unknown model", RESPONSES, responses(model="gpt-5")),
     Case("responses: prompt past the context", RESPONSES, responses(input=TOO_LONG)),
+
+    # routes
+    Case("no such route", "/v1/nothing", chat()),
+    Case("a route that takes no POST", "/v1/models", chat()),
 ]
 
 DIFFERENCES: list[Difference] = [
