@@ -499,3 +499,11 @@ def test_sluice_simworker_command_serves_the_api_metrics_and_kv_events(zctx):
         process.terminate()
         _, err = process.communicate(timeout=10)
     assert b"simworker ready" in err
+
+
+def test_sluice_simworker_refuses_an_unknown_scheduling_policy():
+    sluice = Path(sys.executable).with_name("sluice")
+    command = [str(sluice)] if sluice.exists() else [sys.executable, "-m", "entry.cli"]
+    done = subprocess.run(command + ["simworker", "--scheduling-policy", "lottery"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "error: --scheduling-policy must be fcfs or priority" in done.stderr

@@ -440,3 +440,18 @@ def test_the_gateway_relays_count_tokens_and_anthropic_errors(fronted):
     bad = gw.client.post("/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert bad.status_code == 400  # the worker's answer as vLLM gives it: its validation's envelope
     assert msgspec.json.decode(bad.content)["error"]["param"] == "body.max_tokens"
+
+
+def test_claude_code_turns_with_mid_conversation_system_messages_pass_the_gateway(fronted):
+    gw, _ = fronted
+    body = messages_body("Through the gateway, Claude Code style.", stream=True)
+    body["system"] = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cch=1;"},
+                      {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    body["messages"] += [{"role": "assistant", "content": "On it."},
+                         {"role": "system", "content": "<system-reminder>Todo list updated.</system-reminder>"},
+                         {"role": "user", "content": "Go on."}]
+    headers = {"x-session-id": "claude-code-1", "anthropic-beta": "mid-conversation-system-2026-04-07"}
+    with gw.client.stream("POST", "/v1/messages?beta=true", json=body, headers=headers) as r:
+        raw = b"".join(r.iter_raw())
+    assert r.status_code == 200, raw
+    assert b"event: message_stop" in raw and b'"stop_reason":"end_turn"' in raw
