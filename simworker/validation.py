@@ -159,7 +159,8 @@ class ChatMessage(_OpenAIModel):
     from the assistant (or a legacy function message) only."""
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    # parts are checked when the prompt is rendered, as vLLM checks them (a lazy iterator)
+    content: str | list[Any] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ChatToolCall] | None = None

@@ -729,6 +729,9 @@ def _check_chat_parts(messages: list[dict[str, Any]], model: str) -> None:
         if not isinstance(content, list):
             continue
         for number, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise BadRequest(f"1 validation error for ValidatorIterator\n{number}\n  Input should be a valid "
+                                 f"dictionary (messages[{index}].content[{number}])")
             kind = part.get("type")
             if kind in MEDIA_PART_TYPES:
                 raise BadRequest(f"{model} is not a multimodal model")

@@ -255,6 +255,7 @@ CASES: list[Case] = [
     Case("chat: image part on a text-only model", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])),
     Case("chat: unknown content part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "bogus"}]}])),
+    Case("chat: a content part that is a string", CHAT, chat(messages=[{"role": "user", "content": ["plain"]}])),
     Case("chat: text part without text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}])),
     Case("chat: continue_final_message with the default add_generation_prompt", CHAT, chat(
         messages=[USER, {"role": "assistant", "content": "Sure"}], continue_final_message=True)),
