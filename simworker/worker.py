@@ -61,7 +61,8 @@ words it. Unknown fields are accepted. The worker stands for vLLM started with
 - A client that disconnects (stream or not) has its call aborted: out of the engine, blocks
   freed (cached ones stay cached).
 - ``GET /v1/models`` (with ``max_model_len``), ``GET /health`` (503 once the engine loop has
-  failed), ``GET /metrics``. Other paths: vLLM's 404 (405 for a wrong method).
+  failed), ``GET /metrics``. Other paths: vLLM's 404 ``{"detail": "Not Found"}`` (405 for a
+  wrong method).
 - KV events on ZMQ (simworker/kv_publisher.py), one batch per engine iteration that produced any,
   with what the Sluice engine plugin adds to vLLM's: ``continuation_id`` on stores, first
   admitter and prefix length on removals, and a per-start epoch frame.
@@ -912,10 +913,10 @@ def create_app(config: SimWorkerConfig) -> Starlette:
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
-        # vLLM's handler of FastAPI's HTTP errors: the status's phrase as message and type
+        # a path or method no route takes: vLLM's app (FastAPI on Starlette) answers with
+        # Starlette's own body, not its error envelope
         status = exc.status_code if isinstance(exc, HTTPException) else 500
-        phrase = HTTPStatus(status).phrase
-        return error_response(status, phrase, error_type=phrase)
+        return JSONResponse({"detail": HTTPStatus(status).phrase}, status_code=status)
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.worker = worker

@@ -115,7 +115,10 @@ def ask(client: httpx.Client, base_url: str, case: Case) -> Answer:
     if isinstance(error, dict):
         return Answer(response.status_code, "openai", tuple(sorted(error)), error.get("type"), error.get("param"),
                       text=text)
-    return Answer(response.status_code, f"unknown envelope {sorted(payload)}", text=text)
+    if isinstance(payload, dict) and set(payload) == {"detail"}:  # Starlette's own, for a route that is not there
+        return Answer(response.status_code, "starlette", error_type=str(payload["detail"]), text=text)
+    return Answer(response.status_code, f"unknown envelope {sorted(payload) if isinstance(payload, dict) else payload}",
+                  text=text)
 
 
 def test_the_simworker_answers_the_corpus_as_vllm_does(vllm_url, simworker_url):

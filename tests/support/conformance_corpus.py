@@ -6,8 +6,9 @@ vLLM runs with ``--enable-auto-tool-choice --tool-call-parser hermes`` (what an 
 deployment runs), the simworker as its docstring says it stands for that.
 
 Each :class:`Case` is compared on what clients act on: the status code; for an error the
-envelope (OpenAI's ``{"error": {...}}`` or Anthropic's ``{"type": "error", "error":
-{...}}``), its keys and its ``type``, and ``param`` unless the case says vLLM's param is
+envelope (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", "error":
+{...}}``, or Starlette's ``{"detail": ...}`` for a route that is not there), its keys and its
+``type``, and ``param`` unless the case says vLLM's param is
 pydantic's internal path through a union (``compare_param=False``); for a success, JSON or
 an event stream, and the answer's ``object`` / ``type`` or the stream's first and last
 event. :data:`DIFFERENCES` are the requests where the simworker departs from vLLM on
