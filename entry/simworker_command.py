@@ -60,7 +60,27 @@ def simworker(
     topic: Optional[str] = typer.Option(None, "--topic",
                                         help='Topic frame of KV events (default "kv@<name>").'),
     name: str = typer.Option("w0", "--name", help="Worker name (engine name, default topic)."),
-    model: str = typer.Option("sluice-sim", "--model", help="Model name served on /v1/models."),
+    model: str = typer.Option("sluice-sim", "--model",
+                              help="Model name served on /v1/models; a request naming another is a 404, as on vLLM."),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len", min=1,
+        help="vLLM's --max-model-len: the most a prompt plus its reply may hold, and the largest "
+             "max_tokens accepted; default 131072 or the KV pool, whichever is larger."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", min=1,
+                                               help="vLLM's --max-num-seqs: calls in a batch; "
+                                                    "default: the preset's."),
+    scheduling_policy: str = typer.Option(
+        "fcfs", "--scheduling-policy",
+        help="vLLM's --scheduling-policy: fcfs (arrival order; a request's priority is ignored) or "
+             "priority (the body's integer priority orders the queue, lower first)."),
+    tool_call_turns: int = typer.Option(
+        0, "--tool-call-turns", min=0,
+        help="Answer a request that offers tools with a call of one of them while its conversation "
+             "holds fewer than this many tool results (0: always text)."),
+    sampling_seed: Optional[int] = typer.Option(
+        None, "--sampling-seed",
+        help="Seed of the worker's sampling (replies to requests without a seed or temperature 0); "
+             "default: fresh entropy."),
 ) -> None:
     """Serve the OpenAI API, /metrics and vLLM-format KV events from the simulated engine."""
     if preset not in presets():
@@ -71,6 +91,8 @@ def simworker(
         raise usage_error(f"--prefill-scale must be > 0, got {prefill_scale}")
     if not kv_events:
         raise usage_error("--kv-events needs an endpoint such as tcp://*:5557")
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise usage_error(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
 
     import uvicorn
 
@@ -79,11 +101,16 @@ def simworker(
     config = SimWorkerConfig(name=name, model=model, preset=preset, num_blocks=blocks,
                              block_size=block_size, kv_events=kv_events, replay=replay or None,
                              directives=directives or None,
-                             topic=topic, time_scale=time_scale, prefill_scale=prefill_scale)
+                             topic=topic, time_scale=time_scale, prefill_scale=prefill_scale,
+                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             scheduling_policy=scheduling_policy, tool_call_turns=tool_call_turns,
+                             sampling_seed=sampling_seed)
     _configure_logging()
     typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {preset}, "
                f"KV events {kv_events} topic {config.kv_topic!r}"
                + (f", replay {replay}" if replay else "")
-               + (f", directives {directives}" if directives else "") + f", time scale {time_scale}", err=True)
+               + (f", directives {directives}" if directives else "") + f", time scale {time_scale}"
+               + f", scheduling {scheduling_policy}"
+               + (f", tool calls for {tool_call_turns} turns" if tool_call_turns else ""), err=True)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", lifespan="on",
                 access_log=False)

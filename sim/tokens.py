@@ -14,15 +14,22 @@ piece maps to a token id by a keyed hash (ids ≥ 256; ids below are the special
 Chat requests are rendered like a chat template, each part tokenized on its own (special
 tokens end the pieces, as in a real template): ``<bos>``, then the tools (canonical JSON)
 if any, then per message ``<start:role>`` + header text (name, tool_call_id, if any) +
-content + tool calls (canonical JSON) + ``<end>``, then ``<start:assistant>`` (the
-generation prompt) unless the last message is continued. A completion prompt is ``<bos>``
-+ its text (or the client's token ids as they are).
+content + tool calls + ``<end>``, then ``<start:assistant>`` (the generation prompt) unless
+the last message is continued. Tool calls render as :func:`tool_calls_text`: the canonical
+JSON of each call's function name and arguments string only, as templates such as Qwen's
+render them (no call id, no ``type``), so the rendering does not depend on how a client
+re-serialises the rest of the call. A completion prompt is ``<bos>`` + its text (or the
+client's token ids as they are).
 
 Output is filler from a fixed word cycle, cut into exactly the pieces the tokenizer makes of
-it, so *the text is the tokens*. Hence what hits the prefix cache on a later turn:
+it, so *the text is the tokens*; a tool-call reply's tokens are its :func:`tool_calls_text`.
+Where the filler starts is sampled (simworker/worker.py draws it as vLLM samples: from the
+worker's random source, or from :func:`prompt_seed` under ``seed`` or greedy decoding).
+Hence what hits the prefix cache on a later turn:
 - chat: a client that sends the assistant's reply back verbatim as the next turn's
-  assistant message gets hits through the whole reply (prompt, then ``<start:assistant>``,
-  then the reply's tokens: the same sequence the engine cached while generating);
+  assistant message (its text, or its tool calls' names and arguments) gets hits through
+  the whole reply (prompt, then ``<start:assistant>``, then the reply's tokens: the same
+  sequence the engine cached while generating);
 - completions: a prompt that is the previous prompt + the generated text verbatim hits
   through it too (the filler starts with a space, so the previous prompt's last piece is
   unchanged unless it ends in a space, in which case that one piece differs);
@@ -42,6 +49,7 @@ import re
 import sys
 from array import array
 from collections.abc import Sequence
+from random import Random
 from typing import Any
 
 VOCAB_SIZE = 128_000
@@ -143,9 +151,10 @@ class PseudoTokenizer:
             if header:
                 tokens += self.encode(" ".join(header) + "\n")
             tokens += self._content(message.get("content"), f"{param}[{index}].content")
-            for key in ("tool_calls", "function_call"):
-                if message.get(key):
-                    tokens += self.encode(canonical_json(message[key]))
+            if message.get("tool_calls"):
+                tokens += self.encode(tool_calls_text(message["tool_calls"]))
+            if message.get("function_call"):
+                tokens += self.encode(canonical_json(message["function_call"]))
             if not (continue_final_message and index == last):
                 tokens.append(END)
         if add_generation_prompt and not continue_final_message:
@@ -206,15 +215,40 @@ class PseudoTokenizer:
         return [self.piece_id(piece) for piece in out], out
 
 
-def filler_start(prompt_tokens: Sequence[int], seed: int | None) -> int:
-    """Where a request's filler starts in the word cycle: fixed by its prompt (and seed)."""
+def tool_calls_text(tool_calls: Any) -> str:
+    """How a message's ``tool_calls`` render: ``[{"arguments": ..., "name": ...}, ...]`` as
+    canonical JSON, the arguments as the string the client sent (or whatever value it sent
+    there). A call that is not an object renders as itself."""
+    rendered = []
+    for call in tool_calls if isinstance(tool_calls, list) else [tool_calls]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            rendered.append({"name": function.get("name"), "arguments": function.get("arguments")})
+        else:
+            rendered.append(call)
+    return canonical_json(rendered)
+
+
+def prompt_seed(prompt_tokens: Sequence[int], seed: int | None) -> int:
+    """A 64-bit seed fixed by the prompt's last 64 tokens and the request's ``seed``: what a
+    reproducible reply (``seed`` given, or greedy decoding) is drawn from."""
     data = array("I", prompt_tokens[-64:])
     if sys.byteorder != "little":
         data.byteswap()
     h = hashlib.blake2b(data.tobytes(), digest_size=8)
     if seed is not None:
         h.update(str(seed).encode())
-    return int.from_bytes(h.digest(), "big") % len(FILLER_WORDS)
+    return int.from_bytes(h.digest(), "big")
+
+
+def filler_sentence(rng: Random, words: int) -> str:
+    """``words`` filler words from a point of the cycle drawn from ``rng``, the first one
+    capitalised (a tool argument that a client runs as a shell command then names no
+    program: the cycle holds ``sed`` and ``ex``)."""
+    start = rng.randrange(len(FILLER_WORDS))
+    picked = [FILLER_WORDS[(start + i) % len(FILLER_WORDS)] for i in range(max(1, words))]
+    picked[0] = picked[0].capitalize()
+    return " ".join(picked)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:

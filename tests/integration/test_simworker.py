@@ -24,7 +24,7 @@ import zmq
 
 from entry.ports import free_port
 from scheduler.kv_events import BlockStored, EventBatchDecoder
-from simworker.worker import SimWorker, SimWorkerConfig, create_app
+from simworker.worker import DEFAULT_MAX_MODEL_LEN, SimWorker, SimWorkerConfig, create_app
 from sim.step_time import preset
 
 BLOCKS = 400
@@ -148,20 +148,21 @@ def test_without_max_tokens_the_default_length_ends_with_stop(fast):
 def test_chat_stream_sends_role_then_content_chunks_a_usage_chunk_and_done(fast):
     messages = user("Stream me a plan.")
     lines = sse(fast.url, "/v1/chat/completions",
-                {"messages": messages, "max_tokens": 60, "stream": True,
+                {"messages": messages, "max_tokens": 60, "stream": True, "seed": 11,
                  "stream_options": {"include_usage": True}})
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     *content, usage_chunk = chunks
     assert len(content) >= 3  # decode runs are capped, so the text arrives in pieces
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
-    assert content[0]["choices"][0]["delta"]["role"] == "assistant"
+    # vLLM opens the stream with the role alone, before the first token
+    assert content[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (len(content) - 1) + ["length"]
     assert all("usage" not in c for c in content)
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 60
     text = "".join(c["choices"][0]["delta"]["content"] for c in content)
-    # the output is deterministic: the same prompt without streaming gives the same text
-    assert text == chat(fast.url, messages, max_tokens=60)["choices"][0]["message"]["content"]
+    # seeded, the output is reproducible: the same prompt without streaming gives the same text
+    assert text == chat(fast.url, messages, max_tokens=60, seed=11)["choices"][0]["message"]["content"]
 
 
 def test_stream_without_include_usage_has_no_usage_chunk(fast):
@@ -172,12 +173,13 @@ def test_stream_without_include_usage_has_no_usage_chunk(fast):
 
 
 def test_completions_stream_and_not(fast):
-    response = httpx.post(f"{fast.url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12},
-                          timeout=30)
+    response = httpx.post(f"{fast.url}/v1/completions",
+                          json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}, timeout=30)
     body = response.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["usage"]["completion_tokens"] == 12 and body["choices"][0]["text"].startswith(" ")
     lines = sse(fast.url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "stream": True,
+                                              "temperature": 0,
                                               "stream_options": {"include_usage": True,
                                                                  "continuous_usage_stats": True}})
     chunks = [json.loads(line) for line in lines[:-1]]
@@ -190,9 +192,9 @@ def test_completions_stream_and_not(fast):
 def test_models_health_and_unknown_routes(fast):
     assert httpx.get(f"{fast.url}/health").status_code == 200
     missing = httpx.post(f"{fast.url}/v1/embeddings", json={})
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}  # vLLM's (Starlette's) body
     [model] = httpx.get(f"{fast.url}/v1/models").json()["data"]
-    assert model["id"] == "sluice-sim" and model["max_model_len"] == (BLOCKS - 1) * BS
+    assert model["id"] == "sluice-sim" and model["max_model_len"] == DEFAULT_MAX_MODEL_LEN
 
 
 def test_requests_that_cannot_be_served_get_400_with_a_json_error(fast):
@@ -200,7 +202,7 @@ def test_requests_that_cannot_be_served_get_400_with_a_json_error(fast):
     assert too_long.status_code == 400
     assert "maximum context length" in too_long.json()["error"]["message"]
     too_many = httpx.post(f"{fast.url}/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": BLOCKS * BS},
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": DEFAULT_MAX_MODEL_LEN + 1},
                           timeout=30)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
     for payload in (b"{not json", b"[1, 2]", json.dumps({"messages": []}).encode(),
@@ -497,3 +499,11 @@ def test_sluice_simworker_command_serves_the_api_metrics_and_kv_events(zctx):
         process.terminate()
         _, err = process.communicate(timeout=10)
     assert b"simworker ready" in err
+
+
+def test_sluice_simworker_refuses_an_unknown_scheduling_policy():
+    sluice = Path(sys.executable).with_name("sluice")
+    command = [str(sluice)] if sluice.exists() else [sys.executable, "-m", "entry.cli"]
+    done = subprocess.run(command + ["simworker", "--scheduling-policy", "lottery"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "error: --scheduling-policy must be fcfs or priority" in done.stderr

@@ -4,6 +4,7 @@ clients see them over real HTTP on loopback, alone and behind the gateway."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 
@@ -71,7 +72,8 @@ def test_messages_answer_is_an_anthropic_message_with_usage(worker):
     r = post(url, "/v1/messages", messages_body("Fix the failing test in parser.py."))
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
+    # vLLM's ids, not Anthropic's msg_ ones
+    assert body["id"].startswith("chatcmpl-") and body["type"] == "message" and body["role"] == "assistant"
     assert body["model"] == MODEL and body["stop_reason"] == "end_turn"  # 24 < max_tokens 64
     [block] = body["content"]
     assert block["type"] == "text" and block["text"]
@@ -86,10 +88,29 @@ def test_messages_max_tokens_below_the_reply_length_cuts_it_with_stop_reason_max
     assert body["stop_reason"] == "max_tokens" and body["usage"]["output_tokens"] == 5
 
 
-def test_messages_max_tokens_past_the_context_is_a_limit_not_a_length(worker):
+def test_messages_max_tokens_past_the_pool_is_a_limit_not_a_length(worker):
     url, _ = worker  # Claude Code asks for 32k on every call; the reply keeps its own length
-    body = post(url, "/v1/messages", messages_body("Long limit.", max_tokens=10**6)).json()
+    body = post(url, "/v1/messages", messages_body("Long limit.", max_tokens=32_000)).json()
     assert body["stop_reason"] == "end_turn" and body["usage"]["output_tokens"] == 24
+    # past the model length (131,072 by default) vLLM refuses it, naming the field it read
+    refused = post(url, "/v1/messages", messages_body("Too long a limit.", max_tokens=10**6))
+    assert refused.status_code == 400 and refused.json() == {"type": "error", "error": {
+        "type": "BadRequestError",
+        "message": "max_completion_tokens=1000000 cannot be greater than max_model_len=131072. Please request "
+                   "fewer output tokens. (parameter=max_completion_tokens, value=1000000)"}}
+
+
+def test_claude_code_mid_conversation_system_messages_are_served(worker):
+    url, _ = worker
+    body = messages_body("Fix it.")
+    body["messages"] += [{"role": "assistant", "content": "Looking."},
+                         {"role": "system", "content": [{"type": "text", "text": "<system-reminder>todo</system-reminder>",
+                                                         "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "user", "content": "Go on."}]
+    r = post(url, "/v1/messages?beta=true", body,
+             headers={"anthropic-beta": "mid-conversation-system-2026-04-07"})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["type"] == "text"
 
 
 def test_second_turn_reads_the_first_turn_from_the_cache_and_input_tokens_exclude_it(worker):
@@ -108,25 +129,26 @@ def test_second_turn_reads_the_first_turn_from_the_cache_and_input_tokens_exclud
     assert u2["cache_read_input_tokens"] >= (prompt1 + u1["output_tokens"] - 1) // BS * BS - BS
     assert u2["cache_read_input_tokens"] > prompt1 // 2
     count = post(url, "/v1/messages/count_tokens", {k: v for k, v in turn2.items() if k != "max_tokens"})
-    assert count.json() == {"input_tokens": u2["input_tokens"] + u2["cache_read_input_tokens"]}
+    total = u2["input_tokens"] + u2["cache_read_input_tokens"]
+    assert count.json() == {"input_tokens": total, "context_management": {"original_input_tokens": total}}
 
 
 def test_messages_stream_sends_every_event_type_in_order_with_usage(worker):
     url, _ = worker
-    events = sse_events(url, "/v1/messages", messages_body("Stream the plan.", stream=True))
+    events = sse_events(url, "/v1/messages", messages_body("Stream the plan.", stream=True, temperature=0))
     names = [name for name, _ in events]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:2] == ["message_start", "content_block_start"]  # vLLM sends no ping
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert set(names[3:-3]) == {"content_block_delta"}
+    assert set(names[2:-3]) == {"content_block_delta"}
     start = events[0][1]["message"]
-    assert start["id"].startswith("msg_") and start["content"] == [] and start["stop_reason"] is None
+    assert start["id"].startswith("chatcmpl-") and start["content"] == [] and start["stop_reason"] is None
     assert {"input_tokens", "cache_read_input_tokens", "output_tokens"} <= set(start["usage"])
     text = "".join(data["delta"]["text"] for name, data in events if name == "content_block_delta")
     assert all(data["delta"]["type"] == "text_delta" for name, data in events if name == "content_block_delta")
     delta = events[-2][1]
     assert delta["delta"]["stop_reason"] == "end_turn" and delta["usage"]["output_tokens"] == 24
-    plain = post(url, "/v1/messages", messages_body("Stream the plan.")).json()
-    assert text == plain["content"][0]["text"]  # the same prompt gives the same reply
+    plain = post(url, "/v1/messages", messages_body("Stream the plan.", temperature=0)).json()
+    assert text == plain["content"][0]["text"]  # greedy: the same prompt gives the same reply
 
 
 def test_messages_with_tools_and_tool_blocks_are_served(worker):
@@ -152,31 +174,35 @@ def test_count_tokens_counts_the_prompt_a_first_call_reports(worker):
     assert count.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
 
 
-@pytest.mark.parametrize("body, problem", [
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
-    ({"model": MODEL, "max_tokens": 8}, "messages"),
-    ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]}, "role"),
-    ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": 7}]}, "content"),
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "body.max_tokens"),
+    ({"model": MODEL, "max_tokens": 8}, "body.messages"),
+    ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "tool", "content": "hi"}]}, "body.messages.0.role"),
+    ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": 7}]}, "body.messages.0.content"),
     ({"model": MODEL, "max_tokens": 8, "system": 3, "messages": [{"role": "user", "content": "x"}]},
-     "system"),
-    ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "word " * BLOCKS * BS}]},
-     "context length"),
+     "body.system"),
 ])
-def test_bad_messages_requests_get_400_in_anthropic_error_shape(worker, body, problem):
-    url, _ = worker
+def test_messages_bodies_that_fail_validation_get_vllms_openai_shaped_400(worker, body, param):
+    url, _ = worker  # vLLM's validation handler answers every route in OpenAI's envelope
     r = post(url, "/v1/messages", body)
     assert r.status_code == 400
-    error = r.json()
-    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-    assert problem in error["error"]["message"]
+    error = r.json()["error"]
+    assert error["type"] == "Bad Request" and error["param"] == param and error["code"] == 400
+    assert re.match(r"\d+ validation errors?:\n", error["message"])
 
 
-def test_bad_json_and_bad_count_tokens_get_400_in_anthropic_error_shape(worker):
+def test_messages_refused_by_the_handler_get_the_anthropic_envelope(worker):
     url, _ = worker
-    r = httpx.post(f"{url}/v1/messages", content=b"{nope", timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    long = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 8,
+                                      "messages": [{"role": "user", "content": "word " * BLOCKS * BS}]})
+    assert long.status_code == 400 and long.json()["type"] == "error"
+    assert long.json()["error"]["type"] == "BadRequestError" and "maximum context length" in long.text
+    r = httpx.post(f"{url}/v1/messages", content=b"{nope", headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
     r = post(url, "/v1/messages/count_tokens", {"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["type"] == "error"
+    r = post(url, "/v1/messages", messages_body("Which model?", model="claude-sonnet-4-5"))
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
 
 
 def test_messages_calls_label_their_kv_events_with_the_session(worker):
@@ -282,19 +308,20 @@ def test_responses_stream_sends_the_sdk_event_sequence_with_sequence_numbers(wor
     assert follow.status_code == 200, follow.text
 
 
-def test_unknown_previous_response_id_is_a_404_in_openai_shape(worker):
+def test_unknown_previous_response_id_is_vllms_404(worker):
     url, _ = worker
     r = post(url, "/v1/responses", {"model": MODEL, "input": "hi", "previous_response_id": "resp_nope"})
     assert r.status_code == 404
-    assert r.json()["error"]["param"] == "previous_response_id"
+    assert r.json()["error"] == {"message": "Response with id 'resp_nope' not found.", "type": "invalid_request_error",
+                                 "param": "response_id", "code": 404}
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": MODEL}, "input"),
-    ({"model": MODEL, "input": 5}, "input"),
-    ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"model": MODEL, "input": "x", "instructions": 3}, "instructions"),
+    ({"model": MODEL}, "body.input"),
+    ({"model": MODEL, "input": 5}, "body.input"),
+    ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "body.input"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "input": "x", "instructions": 3}, "body.instructions"),
 ])
 def test_bad_responses_requests_get_400_in_openai_error_shape(worker, body, param):
     url, _ = worker
@@ -411,5 +438,20 @@ def test_the_gateway_relays_count_tokens_and_anthropic_errors(fronted):
     r = gw.client.post("/v1/messages/count_tokens", json=body)
     assert r.status_code == 200 and r.json()["input_tokens"] > 0
     bad = gw.client.post("/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
-    assert bad.status_code == 400 and bad.json()["type"] == "error"
-    assert msgspec.json.decode(bad.content)["error"]["type"] == "invalid_request_error"
+    assert bad.status_code == 400  # the worker's answer as vLLM gives it: its validation's envelope
+    assert msgspec.json.decode(bad.content)["error"]["param"] == "body.max_tokens"
+
+
+def test_claude_code_turns_with_mid_conversation_system_messages_pass_the_gateway(fronted):
+    gw, _ = fronted
+    body = messages_body("Through the gateway, Claude Code style.", stream=True)
+    body["system"] = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cch=1;"},
+                      {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    body["messages"] += [{"role": "assistant", "content": "On it."},
+                         {"role": "system", "content": "<system-reminder>Todo list updated.</system-reminder>"},
+                         {"role": "user", "content": "Go on."}]
+    headers = {"x-session-id": "claude-code-1", "anthropic-beta": "mid-conversation-system-2026-04-07"}
+    with gw.client.stream("POST", "/v1/messages?beta=true", json=body, headers=headers) as r:
+        raw = b"".join(r.iter_raw())
+    assert r.status_code == 200, raw
+    assert b"event: message_stop" in raw and b'"stop_reason":"end_turn"' in raw

@@ -3,6 +3,9 @@ tokenization, and vLLM-style chained block hashes."""
 
 from __future__ import annotations
 
+import json
+from random import Random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,8 +15,10 @@ from sim.tokens import (
     PromptError,
     PseudoTokenizer,
     block_hashes,
-    filler_start,
+    filler_sentence,
+    prompt_seed,
     role_token,
+    tool_calls_text,
 )
 
 BS = 16
@@ -62,17 +67,48 @@ def test_a_chat_reply_sent_back_verbatim_continues_the_cached_sequence():
     first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Fix the bug."}]
     tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
     prompt = tok.render_chat(first, tools)
-    out_ids, pieces = tok.filler(50, filler_start(prompt, None), leading_space=False)
+    out_ids, pieces = tok.filler(50, 7, leading_space=False)
     second = first + [{"role": "assistant", "content": "".join(pieces)},
                       {"role": "user", "content": "Thanks, now run the tests."}]
     assert tok.render_chat(second, tools)[:len(prompt) + 50] == prompt + out_ids
+
+
+def test_a_tool_call_reply_sent_back_continues_the_cached_sequence_whatever_else_the_client_echoes():
+    tok = PseudoTokenizer()
+    first = [{"role": "user", "content": "List the files."}]
+    prompt = tok.render_chat(first)
+    call = {"id": "chatcmpl-tool-0123456789abcdef", "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"command": "ls -la"})}}
+    reply = tok.pieces(tool_calls_text([call]))
+    out_ids = [tok.piece_id(piece) for piece in reply]
+    # the client's copy: another id, an index, no type, content null: none of it is rendered
+    echoed = {"id": "call_9", "index": 0, "function": dict(call["function"])}
+    second = first + [{"role": "assistant", "content": None, "tool_calls": [echoed]},
+                      {"role": "tool", "tool_call_id": "call_9", "content": "a.py"}]
+    assert tok.render_chat(second)[:len(prompt) + len(out_ids)] == prompt + out_ids
+    assert json.loads(tool_calls_text([call])) == [{"name": "bash", "arguments": call["function"]["arguments"]}]
+
+
+def test_prompt_seeds_follow_the_prompt_tail_and_the_seed():
+    assert prompt_seed([5, 6, 7], None) == prompt_seed([5, 6, 7], None)
+    assert prompt_seed([5, 6, 7], None) != prompt_seed([5, 6, 8], None)
+    assert prompt_seed([5, 6, 7], 1) != prompt_seed([5, 6, 7], 2)
+    assert prompt_seed([1] * 10 + [5, 6, 7], 3) != prompt_seed([5, 6, 7], 3)
+    assert prompt_seed([9] + [1] * 64, 3) == prompt_seed([8] + [1] * 64, 3)  # the last 64 tokens only
+
+
+def test_filler_sentences_are_filler_words_whose_first_names_no_program():
+    for seed in range(50):
+        words = filler_sentence(Random(seed), 4).split()
+        assert len(words) == 4 and words[0][0].isupper()
+        assert all(word.lower() in FILLER_WORDS for word in words)
 
 
 def test_a_completion_prompt_extended_by_its_output_continues_the_cached_sequence():
     tok = PseudoTokenizer()
     for text in ("Once upon a time", "Q: 12 + 30 =", "Answer:\n", "ends with a space "):
         prompt = tok.render_completion(text)
-        out_ids, pieces = tok.filler(40, filler_start(prompt, None), leading_space=True)
+        out_ids, pieces = tok.filler(40, 11, leading_space=True)
         again = tok.render_completion(text + "".join(pieces))
         if text.endswith(" "):
             # the trailing space joins the first output word: one piece differs
