@@ -110,11 +110,14 @@ class Fleet:
                 "--kv-events", f"tcp://*:{events}", "--time-scale", str(setup.time_scale),
                 "--prefill-scale", str(setup.prefill_scale),
                 "--directives", f"tcp://*:{directives}",
+                # the engine queue ordered by the policy's priority, as the simulator orders it
+                "--scheduling-policy", "priority",
                 "--name", f"w{i}", *setup.simworker_args,
             ])
             workers.append({"name": f"w{i}", "url": f"http://127.0.0.1:{port}",
                             "kv_events": f"tcp://127.0.0.1:{events}",
-                            "directives": f"tcp://127.0.0.1:{directives}"})
+                            "directives": f"tcp://127.0.0.1:{directives}",
+                            "scheduling_policy": "priority"})
         gateway_port = free_port()
         config = {
             "listen": {"host": "127.0.0.1", "port": gateway_port},

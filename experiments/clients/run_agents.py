@@ -107,8 +107,8 @@ def _at_once(run: Callable[[int], int]) -> list[int]:
 
 
 def agents_checks(checks: Checks, gateway_url: str) -> None:
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                        function_tool, set_tracing_disabled)
+    from agents import (Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # the SDK would post traces to OpenAI otherwise
@@ -126,8 +126,10 @@ def agents_checks(checks: Checks, gateway_url: str) -> None:
                 client = AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key=API_KEY, max_retries=0)
                 model = (OpenAIChatCompletionsModel(MODEL, client) if kind == "chat"
                          else OpenAIResponsesModel(MODEL, client))
+                # no output limit: one that cuts the reply short makes the Responses model
+                # raise (status "incomplete"), as it would on any server
                 agent = Agent(name="fixer", instructions="You fix bugs in Python code.", model=model,
-                              tools=[run_tests], model_settings=ModelSettings(max_tokens=MAX_TOKENS))
+                              tools=[run_tests])
                 result = await Runner.run(agent, TASK, max_turns=TOOL_TURNS + 2)
                 expect(bool(result.final_output), "no final output")
                 return len(result.raw_responses)
@@ -172,11 +174,13 @@ class ScriptedShell:
 
 
 def mini_swe_agent_checks(checks: Checks, gateway_url: str) -> None:
+    import litellm
     import yaml
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.config import builtin_config_dir
     from minisweagent.models.litellm_model import LitellmModel
 
+    litellm.suppress_debug_info = True  # else a provider-list hint on every cost lookup
     config = yaml.safe_load((builtin_config_dir / "default.yaml").read_text())
 
     def run_all() -> str:
