@@ -113,3 +113,39 @@ def test_the_simworker_applies_the_retain_the_gateway_sends_for_a_placed_program
     wait_for(lambda: pool._class_of("kept-1") == 90, what="the simworker applied the retain")
     kept = pool._session_blocks["kept-1"]
     assert kept and {pool._block_class[b] for b in kept} == {90}
+
+
+def test_claude_codes_request_shapes_run_through_the_gateway_on_a_simworker(sim_fleet):
+    """What Claude Code 2.1 sends to a model it does not know (so to every self-hosted one): a
+    ``system`` message inside ``messages`` (beta mid-conversation-system), thinking and tool
+    blocks carried back, ``cache_control`` markers, ``?beta=true``, and its session in the
+    ``metadata.user_id`` JSON string. Both turns run, and the session is Claude Code's."""
+    gw, _, _ = sim_fleet
+    session = "9d2c0a3e-7f41-4c1a-9b55-claude-code"
+    user_id = ('{"device_id":"' + "a" * 64 + '","account_uuid":"","session_id":"' + session + '"}')
+    system = [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+    tools = [{"name": "Bash", "description": "Run a command", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}]
+    # the fleet's model: Claude Code is pointed at it (ANTHROPIC_MODEL), as at any self-hosted one
+    first = {"model": "sluice-sim", "max_tokens": 32000, "stream": True, "system": system,
+             "tools": tools, "metadata": {"user_id": user_id},
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "fix the test"}]}]}
+    headers = {"anthropic-beta": "mid-conversation-system-2026-04-07,interleaved-thinking-2025-05-14",
+               "anthropic-version": "2023-06-01"}
+    with gw.client.stream("POST", "/v1/messages?beta=true", json=first, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        assert b"message_stop" in r.read()
+    second = {**first, "messages": [
+        *first["messages"],
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "look at the test", "signature": "c2ln"},
+            {"type": "tool_use", "id": "toolu_01A", "name": "Bash", "input": {"command": "pytest -x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A",
+                                      "content": "1 failed", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "The user changed directory to /repo."},
+        {"role": "user", "content": [{"type": "text", "text": "go on"}]}]}
+    with gw.client.stream("POST", "/v1/messages?beta=true", json=second, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        assert b"message_stop" in r.read()
+    program = gw.programs()[session]
+    assert program["steps"] == 2
