@@ -18,28 +18,26 @@ programs, in one group: the task's opening), each holding every call of its run.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 
-from entry.live_demo import ADMIN_TOKEN, DemoSetup, Fleet, wait_ready
+from entry.live_demo import ADMIN_TOKEN, DemoSetup
 from experiments.clients.run_clients import (
     API_KEY,
     MODEL,
     OPENAI_TOOL,
     Checks,
     Outcome,
+    cli,
     expect,
-    missing_libraries,
+    run_on_fleet,
 )
 
 # The simworkers answer a conversation's first TOOL_TURNS calls with a tool call, then text.
@@ -249,44 +247,20 @@ def agents_setup() -> DemoSetup:
                      simworker_args=("--tool-call-turns", str(TOOL_TURNS)))
 
 
-def run(libraries: tuple[str, ...], emit: Callable[[str], None]) -> list[Outcome]:
-    checks = Checks(emit)
-    with tempfile.TemporaryDirectory(prefix="sluice-agents-") as tmp:
-        # mini-swe-agent keeps a config directory; here, not in the user's home
-        os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(Path(tmp) / "mini-swe-agent"))
-        fleet = Fleet(agents_setup(), "program_aware", Path(tmp))
-        fleet.start()
-        try:
-            anyio.run(wait_ready, fleet)
-            emit(f"gateway {fleet.gateway_url} in front of {len(fleet.worker_urls)} simworkers "
-                 f"(tool calls for the first {TOOL_TURNS} turns)")
-            for library in libraries:
-                CHECKS[library](checks, fleet.gateway_url)
-            fleet.check_alive()
-        finally:
-            fleet.stop()
-    return checks.outcomes
+def _mini_swe_agent_home(workdir: Path) -> None:
+    """mini-swe-agent keeps a config directory and prints a banner on import: here, and
+    quietly, not in the user's home."""
+    os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(workdir / "mini-swe-agent"))
+    os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+
+
+def run(chosen: tuple[str, ...], emit: Callable[[str], None]) -> list[Outcome]:
+    emit(f"simworkers answer with tool calls for a conversation's first {TOOL_TURNS} turns")
+    return run_on_fleet(agents_setup(), CHECKS, chosen, emit, prepare=_mini_swe_agent_home)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(LIBRARIES),
-                        help=f"comma-separated frameworks to check (default: {','.join(LIBRARIES)})")
-    args = parser.parse_args(argv)
-    chosen = tuple(name.strip() for name in args.only.split(",") if name.strip())
-    unknown = [name for name in chosen if name not in CHECKS]
-    if unknown:
-        parser.error(f"unknown frameworks: {', '.join(unknown)} (known: {', '.join(LIBRARIES)})")
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from GitHub
-    os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # mini-swe-agent's banner on import
-    missing = missing_libraries(tuple(LIBRARIES[name] for name in chosen))
-    if missing:
-        print(f"MISSING {', '.join(missing)}: pip install -e '.[clients]'", flush=True)
-        return 2
-    outcomes = run(chosen, lambda line: print(line, flush=True))
-    failed = [o for o in outcomes if not o.passed]
-    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed", flush=True)
-    return 1 if failed else 0
+    return cli(argv, __doc__.split("\n\n")[0], LIBRARIES, run)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 
@@ -273,41 +272,59 @@ def clients_setup() -> DemoSetup:
     return DemoSetup(workers=2, blocks=1024, time_scale=0.02, prefill_scale=1.0)
 
 
-def run(libraries: tuple[str, ...], emit: Callable[[str], None]) -> list[Outcome]:
+def run_on_fleet(setup: DemoSetup, checks_by_name: dict[str, Callable[[Checks, str], None]],
+                 chosen: tuple[str, ...], emit: Callable[[str], None],
+                 prepare: Callable[[Path], None] | None = None) -> list[Outcome]:
+    """Start a fleet of ``setup`` in a temporary directory (``prepare`` gets it first), run the
+    chosen checks against its gateway, stop it; every outcome."""
     checks = Checks(emit)
     with tempfile.TemporaryDirectory(prefix="sluice-clients-") as tmp:
-        fleet = Fleet(clients_setup(), "program_aware", Path(tmp))
+        if prepare is not None:
+            prepare(Path(tmp))
+        fleet = Fleet(setup, "program_aware", Path(tmp))
         fleet.start()
         try:
             anyio.run(wait_ready, fleet)
             emit(f"gateway {fleet.gateway_url} in front of {len(fleet.worker_urls)} simworkers")
-            for library in libraries:
-                CHECKS[library](checks, fleet.gateway_url)
+            for name in chosen:
+                checks_by_name[name](checks, fleet.gateway_url)
             fleet.check_alive()
         finally:
             fleet.stop()
     return checks.outcomes
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(LIBRARIES),
-                        help=f"comma-separated libraries to check (default: {','.join(LIBRARIES)})")
+def cli(argv: list[str] | None, description: str, modules: dict[str, str],
+        run: Callable[[tuple[str, ...], Callable[[str], None]], list[Outcome]]) -> int:
+    """The command line both scripts share: ``--only`` picks among ``modules`` (name → the
+    module it needs); exit 0 when every check passes, 1 when one fails, 2 when a module is
+    missing."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--only", default=",".join(modules),
+                        help=f"comma-separated names to check (default: {','.join(modules)})")
     args = parser.parse_args(argv)
-    libraries = tuple(name.strip() for name in args.only.split(",") if name.strip())
-    unknown = [name for name in libraries if name not in CHECKS]
+    chosen = tuple(name.strip() for name in args.only.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in modules]
     if unknown:
-        parser.error(f"unknown libraries: {', '.join(unknown)} (known: {', '.join(LIBRARIES)})")
+        parser.error(f"unknown names: {', '.join(unknown)} (known: {', '.join(modules)})")
     # litellm fetches its model price map from GitHub at import unless told to use its copy
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    missing = missing_libraries(libraries)
+    missing = missing_libraries(tuple(modules[name] for name in chosen))
     if missing:
         print(f"MISSING {', '.join(missing)}: pip install -e '.[clients]'", flush=True)
         return 2
-    outcomes = run(libraries, lambda line: print(line, flush=True))
+    outcomes = run(chosen, lambda line: print(line, flush=True))
     failed = [o for o in outcomes if not o.passed]
     print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed", flush=True)
     return 1 if failed else 0
+
+
+def run(libraries: tuple[str, ...], emit: Callable[[str], None]) -> list[Outcome]:
+    return run_on_fleet(clients_setup(), CHECKS, libraries, emit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, __doc__.split("\n\n")[0], {name: name for name in LIBRARIES}, run)
 
 
 if __name__ == "__main__":

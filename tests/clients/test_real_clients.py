@@ -5,34 +5,14 @@ library of the ``clients`` extra cannot be imported."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
+from tests.support.client_scripts import passed_checks, skip_unless_importable
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-LIBRARIES = ("openai", "anthropic", "litellm")
+LIBRARIES = {"openai": "openai", "anthropic": "anthropic", "litellm": "litellm"}
 # What each library's checks must report (a check that silently stopped running fails here).
 EXPECTED_CHECKS = {"openai": 7, "anthropic": 4, "litellm": 4}
 
 
 def test_the_openai_anthropic_and_litellm_clients_pass_every_check_through_the_gateway():
-    missing = [name for name in LIBRARIES if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"cannot import {', '.join(missing)}: install the clients extra "
-                    "(pip install -e '.[clients]')")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "experiments.clients.run_clients"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    results = re.findall(r"^(PASS|FAIL) (\w+): ", done.stdout, re.MULTILINE)
-    failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
-    assert done.returncode == 0 and not failed, output[-6000:]
-    passed = {library: sum(1 for verdict, name in results if name == library and verdict == "PASS")
-              for library in LIBRARIES}
-    assert passed == EXPECTED_CHECKS, output[-6000:]
+    skip_unless_importable(LIBRARIES)
+    passed = passed_checks("experiments.clients.run_clients", list(LIBRARIES), timeout_s=240)
+    assert passed == EXPECTED_CHECKS

@@ -23,17 +23,17 @@ from zmq.utils.monitor import recv_monitor_message
 
 from controller.admin_client import SluiceAdmin
 from entry.ports import free_port
-from scheduler.kv_events import EventBatchDecoder
-from scheduler.kv_index import KVIndex, WorkerKV
 from simworker.worker import SimWorker, SimWorkerConfig
 from simworker.worker import create_app as create_simworker
 from tests.support.fake_vllm import FakeState, create_fake
-from tests.integration.test_subscriber import (
+from tests.support.kv_streams import (
     FramePublisher,
     Workload,
     applied_through,
     baseline,
     publisher,
+    replay_all,
+    snapshot,
     sync,
 )
 from tests.support.gateway_harness import (
@@ -46,7 +46,6 @@ from tests.support.gateway_harness import (
 )
 
 BS = 16
-END_SEQ = b"\xff" * 8
 # A configured worker that never takes a program (nothing answers, so its capacity stays
 # unknown): every program goes to the worker a test adds.
 QUIET = {"name": "quiet", "url": f"http://127.0.0.1:{free_port()}"}
@@ -78,43 +77,13 @@ def call(url: str, session: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def replay_all(endpoint: str) -> list[bytes]:
-    """Every batch the publisher still buffers, from seq 0 (its buffer holds them all here)."""
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        payloads = []
-        while True:
-            assert dealer.poll(5000), "no replay answer from the simworker"
-            _, _, seq, payload = dealer.recv_multipart()
-            if seq == END_SEQ:
-                return payloads
-            assert int.from_bytes(seq, "big") == len(payloads)
-            payloads.append(payload)
-    finally:
-        dealer.close()
-        ctx.term()
-
-
-def resident(kv: WorkerKV) -> tuple[dict, dict]:
-    blocks = {h: (b.parent, b.tokens, b.prefix_tokens, b.admitter, b.continuation, tuple(b.sessions))
-              for h, b in kv.blocks.items()}
-    return blocks, dict(kv.session_tokens)
-
-
 def published(sim: SimWorker) -> tuple[dict, dict]:
     """The index a subscriber that never missed a batch of ``sim`` would hold."""
-    index, decoder = KVIndex(), EventBatchDecoder()
-    for payload in replay_all(sim.replay_endpoint):
-        index.apply_batch("w", decoder.decode(payload))
-    return resident(index.worker("w"))
+    return baseline(replay_all(sim.replay_endpoint))
 
 
 def index_of(gw: Gateway, worker: str) -> tuple[dict, dict]:
-    return resident(gw.parts.admission.policy.index.worker(worker))
+    return snapshot(gw.parts.admission.policy.index.worker(worker))
 
 
 def subscribed(gw: Gateway, worker: str, sim_url: str) -> None:
