@@ -20,15 +20,17 @@ calls → resume → pause → soft band → retention.
   first, counting marked tokens as already gone. Nothing in flight is aborted: a marked
   program pauses when its last call completes.
 - **Resume**: paused programs with a waiting call, then new programs, then idle paused
-  ones; smallest first inside a group, sizes halved every ``resume_aging_halflife_s`` of
+  ones; inside each, the client's higher priority first (``CallHints.priority``), then
+  smallest first, sizes halved every ``resume_aging_halflife_s`` of
   waiting so a large program is not bypassed forever. Each goes to its home worker if it
   fits there (its KV may still be resident), else to the parent's worker for a sub-agent,
   else best fit (the fitting worker with the least headroom left). "Fits" means
   ``U ≤ pause_threshold − resume_hysteresis`` afterwards. A program parked for
   ``force_resume_after_s`` is resumed regardless (its home, else the emptiest worker).
 - **Admission of a new program**: score = prefix credit − U (credit = resident prompt
-  tokens / capacity, so both are shares of the worker), minus ``soft_band_delay_s`` in a
-  soft-band worker,
+  tokens / capacity, so both are shares of the worker; for a program of a group, the prompt
+  it shares with an active sibling homed there counts as resident), minus
+  ``soft_band_delay_s`` in a soft-band worker,
   among workers where it fits below ``pause_threshold``; sub-agents go to their parent's
   worker when it fits. While other programs wait for room, a new one queues behind them
   (as ThunderAgent does), and the resume pass orders them.
@@ -41,6 +43,9 @@ calls → resume → pause → soft band → retention.
   queue of the simulator's engines and of a vLLM started with ``--scheduling-policy
   priority`` and declared so (``scheduling_policy: priority``); under vLLM's default
   ``fcfs`` the soft band and the boost do not act (architecture.md §3).
+- **Client hints** (``CallHints``): a deadline shortens ``max_wait_s`` for its call, an
+  expected output length replaces ``growth_reserve_tokens`` in its demand, a retention TTL is
+  the program's dormancy cutoff for the tool call that follows.
 - **Retention**: a placed or resumed program gets ``Retain`` (refreshed before its TTL
   runs out while it stays active, dormant or not); a paused one ``Demote``; a released one
   ``Release``.
