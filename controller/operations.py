@@ -554,6 +554,8 @@ class AdminApi:
                 "last_check_unix": state.last_check_unix,
                 "mode": state.mode.value,
                 "calls_in_flight": view.calls_in_flight,
+                # how its engine orders its queue: "priority" gets the policy's priority
+                "scheduling_policy": record.config.scheduling_policy,
                 # its KV-event endpoint ("kv_events_bind": fed from the bound socket) and
                 # directive endpoint; None: not wired
                 **record.wiring,

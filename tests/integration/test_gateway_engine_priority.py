@@ -228,6 +228,8 @@ def test_a_worker_added_at_run_time_gets_the_treatment_its_entry_names():
                 "name": "w1", "url": new_server.url, "capacity_tokens": 1_000_000,
                 "scheduling_policy": "priority"})
             assert added.status_code == 201, added.text
+            assert {w: gw.workers()[w]["scheduling_policy"] for w in ("w0", "w1")} == {
+                "w0": "fcfs", "w1": "priority"}  # what the admin listing shows
             assert gw.client.post("/sluice/workers/w0/drain", headers=ADMIN).status_code == 200
             post(gw.url, "s")
     assert old.seen == []
