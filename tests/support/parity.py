@@ -36,6 +36,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,10 +46,12 @@ from typing import Any
 import anyio
 import httpx
 import numpy as np
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.serve_config import parse_serve_config
 from scheduler.config import parse_policy_config
+from scheduler.kv_events import EventBatchDecoder
 from scheduler.policies import make_policy
 from sim.scripted import ScriptedProgram, ScriptedWorkload
 from sim.simulation import ClosedLoop, Simulation
@@ -156,6 +159,8 @@ class ShellRun:
     # the engines' own re-prefill count (preemption recompute included); None where the
     # engines do not count it (the simworker does not know a session's previous context)
     engine_reprefill: int | None
+    # "<session>#<call>" → latency of each completed call (the same key in both shells)
+    latency_by_call: dict[str, float] = field(default_factory=dict)
     diagnostics: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -227,6 +232,7 @@ def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -
         scheduling_policy=setup.scheduling_policy)
     result = simulation.run()
     at_admission = 0
+    latency_by_call: dict[str, float] = {}
     for engine in simulation.engines:
         for request in engine.finished:
             # the simulator names a call "<session>#<call index>"
@@ -235,6 +241,8 @@ def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -
             at_admission += reprefill_at_admission(program.prompt_tokens, program.output_tokens,
                                                    int(k), request.prompt_tokens,
                                                    request.cached_tokens)
+            assert request.finished_at is not None
+            latency_by_call[request.request_id] = request.finished_at - request.arrival
     return ShellRun(
         shell="sim", policy=policy, duration_s=result.duration_s,
         output_tokens=result.output_tokens, prompt_tokens=result.prompt_tokens,
@@ -242,6 +250,7 @@ def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -
         call_latencies_s=list(result.call_latencies_s), pauses=result.pauses,
         resumes=result.resumes, marks=result.marks, preemptions=result.preemptions,
         reprefill_at_admission=at_admission, engine_reprefill=result.reprefill_tokens,
+        latency_by_call=latency_by_call,
         diagnostics={"programs_completed": result.programs_completed,
                      "programs_started": len(programs)})
 
@@ -308,6 +317,55 @@ class ServerProcess:
                 self.loop_lag, self.cpu_s = last["loop_lag"], last["cpu_s"]
         self._log.close()
         self._process = None
+
+
+class KvEventProbe:
+    """A second subscriber to every worker's KV events, in a thread of this process: how long
+    a batch takes from the simworker's publish (its ``ts``) to a SUB socket on the same host,
+    the transport the gateway's subscriber reads from (its own queue and the admission lock
+    come on top)."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self._endpoints = endpoints
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.delays_s: list[float] = []
+        self.events = 0
+        self._failure: BaseException | None = None
+
+    def start(self) -> KvEventProbe:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        decoder = EventBatchDecoder()
+        try:
+            for endpoint in self._endpoints:
+                socket.connect(endpoint)
+            while not self._stop.is_set():
+                if not socket.poll(100):
+                    continue
+                frames = socket.recv_multipart()
+                received = time.time()
+                batch = decoder.decode(frames[2])
+                self.delays_s.append(received - batch.ts)
+                self.events += len(batch.events)
+        except Exception as err:  # handed to stop(), which raises it in the caller
+            self._failure = err
+        finally:
+            socket.close()
+            context.term()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(5)
+        if self._failure is not None:
+            raise RuntimeError("the KV-event probe failed") from self._failure
+        return {"batches": len(self.delays_s), "events": self.events, **_quantiles(self.delays_s)}
 
 
 def serve_config(setup: ParitySetup, policy: str, endpoints: list[dict[str, Any]],
@@ -470,7 +528,9 @@ class ScriptedClient:
         return counters
 
 
-def run_live(setup: ParitySetup, policy: str) -> ShellRun:
+def run_live(setup: ParitySetup, policy: str, kv_probe: bool = False) -> ShellRun:
+    """``kv_probe``: also measure the KV events' transport delay (:class:`KvEventProbe`), at
+    the cost of decoding every batch once more in this process."""
     configs = worker_configs(setup)
     groups = [configs] if setup.layout == "one_process" else [[config] for config in configs]
     fleet = [ServerProcess("simworkers", simworker_configs_json(group)) for group in groups]
@@ -486,11 +546,13 @@ def run_live(setup: ParitySetup, policy: str) -> ShellRun:
             gateway_url = gateway.wait_serving()["url"]
             wait_ready(gateway_url, setup.workers)
             client = ScriptedClient(setup, gateway_url, [endpoint["url"] for endpoint in endpoints])
+            probe = KvEventProbe([endpoint["kv_events"] for endpoint in endpoints]).start() if kv_probe else None
             cpu_before = _cpu_s()
             load_before = os.getloadavg()[0]
             outcome = anyio.run(client.run, backend_options={"use_uvloop": True})
             client_cpu_s = _cpu_s() - cpu_before
             load = (round(load_before, 2), round(os.getloadavg()[0], 2))
+            kv_delays = probe.stop() if probe is not None else None
         finally:
             if gateway is not None:
                 gateway.stop()
@@ -501,7 +563,10 @@ def run_live(setup: ParitySetup, policy: str) -> ShellRun:
                  "workers": [process.loop_lag for process in fleet]}
     cpu_s = {"client": round(client_cpu_s, 3), "gateway": gateway.cpu_s,
              "workers": [process.cpu_s for process in fleet]}
-    return _live_run(setup, policy, outcome, gateway_records, loop_lags, cpu_s, load)
+    run = _live_run(setup, policy, outcome, gateway_records, loop_lags, cpu_s, load)
+    if kv_delays is not None:
+        run.diagnostics["kv_event_delay_s"] = kv_delays
+    return run
 
 
 def _cpu_s() -> float:
@@ -553,6 +618,7 @@ def _live_run(setup: ParitySetup, policy: str, outcome: ClientOutcome,
         marks=total("sluice_marks_total"), preemptions=total("vllm:num_preemptions_total"),
         reprefill_at_admission=sum(call.reprefill_at_admission for call in done),
         engine_reprefill=None,
+        latency_by_call={f"{call.session_id}#{call.call}": call.answered_s - call.sent_s for call in done},
         diagnostics={
             "errors": len(outcome.errors), "error_samples": outcome.errors[:5],
             "calls_off_script": sum(not call.matches_script for call in outcome.calls),
@@ -577,8 +643,8 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     array = np.asarray(values)
-    return {"p50": round(float(np.quantile(array, 0.5)), 4), "p99": round(float(np.quantile(array, 0.99)), 4),
-            "mean": round(float(array.mean()), 4)}
+    return {"p1": round(float(np.quantile(array, 0.01)), 4), "p50": round(float(np.quantile(array, 0.5)), 4),
+            "p99": round(float(np.quantile(array, 0.99)), 4), "mean": round(float(array.mean()), 4)}
 
 
 # -- the comparison ----------------------------------------------------------------------------
@@ -658,10 +724,18 @@ class Comparison:
             ])
         return rows
 
+    def paired_latency_difference_s(self) -> dict[str, float]:
+        """Live less simulated latency of the calls both shells completed (the first
+        simulated run's): how much later the same call's answer came live."""
+        simulated = self.simulated[0].latency_by_call
+        pairs = [live - simulated[key] for key, live in self.live.latency_by_call.items() if key in simulated]
+        return {"calls": len(pairs), **_quantiles(pairs)} if pairs else {"calls": 0}
+
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "live": self.live.row(),
                 "simulated": [run.row() for run in self.simulated],
-                "difference": {metric.key: self.difference(metric.key) for metric in METRICS}}
+                "difference": {metric.key: self.difference(metric.key) for metric in METRICS},
+                "paired_latency_difference_s": self.paired_latency_difference_s()}
 
 
 def comparison_table(comparisons: Sequence[Comparison]) -> list[str]:
@@ -674,7 +748,7 @@ def comparison_table(comparisons: Sequence[Comparison]) -> list[str]:
     return lines
 
 
-def compare(setup: ParitySetup, policy: str) -> Comparison:
+def compare(setup: ParitySetup, policy: str, kv_probe: bool = False) -> Comparison:
     """The live run, then the simulated band, of ``policy`` on ``setup``."""
-    live = run_live(setup, policy)
+    live = run_live(setup, policy, kv_probe=kv_probe)
     return Comparison(live, tuple(run_simulated_band(setup, policy)))
