@@ -71,6 +71,7 @@ LAYOUTS = ("processes", "one_process")
 # default): the engines' model time then stays the simulator's through the stalls another
 # process on a shared 2-core host causes, and only the calls' delivery is late.
 CATCH_UP_WALL_S = 5.0
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,7 +438,10 @@ class ScriptedClient:
     async def run(self) -> ClientOutcome:
         setup = self.setup
         concurrency = setup.concurrency
-        limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+        # Idle connections are dropped well before the gateway's (uvicorn's) 5 s keep-alive
+        # runs out, so a call is never written into a connection the server is closing.
+        limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(base_url=self.gateway_url, limits=limits, trust_env=False,
                                      timeout=httpx.Timeout(300.0)) as http, \
                 httpx.AsyncClient(timeout=10.0, trust_env=False) as metrics:
@@ -486,7 +490,11 @@ class ScriptedClient:
             headers["x-dynamo-session-final"] = "true"  # the simulator's CallRequest.final
         body = {"model": MODEL, "messages": messages, "max_tokens": program.output_tokens[k]}
         sent = self.clock()
-        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+        try:
+            response = await http.post("/v1/chat/completions", json=body, headers=headers)
+        except httpx.TransportError as err:
+            self.outcome.errors.append(f"{program.session_id}#{k}: {type(err).__name__}: {err}")
+            return None
         answered = self.clock()
         if response.status_code != 200:
             self.outcome.errors.append(f"{program.session_id}#{k}: HTTP {response.status_code}: "
