@@ -77,7 +77,7 @@ KEEPALIVE_EXPIRY_S = 2.0
 @dataclass(frozen=True, slots=True)
 class ParitySetup:
     """Everything both shells share. The defaults oversubscribe the fleet's KV about 1.4×
-    under program_aware (it pauses and resumes ~3 programs a second) and run in real time:
+    under program_aware (it pauses and resumes ~3.8 programs a second) and run in real time:
     a call's HTTP hops cost the live shell a few milliseconds of wall time each, which a
     time scale below 1 would magnify into that many more virtual ones (design notes, "Live
     against simulated"). Many programs on large pools keep the run short all the same: the
@@ -284,6 +284,8 @@ class ServerProcess:
         self.served: Any = None
         self.loop_lag: dict[str, float] | None = None
         self.cpu_s: float | None = None
+        self.exit_code: int | None = None
+        self.stderr_tail = ""
 
     def start(self) -> ServerProcess:
         self._process = subprocess.Popen([sys.executable, "-m", "tests.support.parity_servers", *self._args],
@@ -316,8 +318,15 @@ class ServerProcess:
             if line.startswith('{"loop_lag"'):
                 last = json.loads(line)
                 self.loop_lag, self.cpu_s = last["loop_lag"], last["cpu_s"]
+        self.exit_code = process.returncode
+        self.stderr_tail = self.log_tail()
         self._log.close()
         self._process = None
+
+    def check_exit(self) -> None:
+        """Raise if the process ended badly (its stderr's tail in the message)."""
+        if self.exit_code not in (0, None):
+            raise RuntimeError(f"{self._args[0]} exited with {self.exit_code}:\n{self.stderr_tail}")
 
 
 class KvEventProbe:
@@ -566,6 +575,9 @@ def run_live(setup: ParitySetup, policy: str, kv_probe: bool = False) -> ShellRu
                 gateway.stop()
             for process in fleet:
                 process.stop()
+        assert gateway is not None  # it started, or the run would have raised
+        for process in [*fleet, gateway]:
+            process.check_exit()
         gateway_records = read_request_log(request_log)
     loop_lags = {"client": client.lag.summary(), "gateway": gateway.loop_lag,
                  "workers": [process.loop_lag for process in fleet]}
