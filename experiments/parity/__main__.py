@@ -35,7 +35,7 @@ import numpy as np
 import typer
 
 from controller.identity import resolve_identity
-from sim.tokens import PseudoTokenizer, filler_start
+from sim.tokens import PseudoTokenizer
 from tests.support.parity import (
     LAYOUTS,
     MODEL,
@@ -64,8 +64,8 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 def prompt_estimates(setup: ParitySetup, programs: int = 40) -> dict[str, Any]:
     """The gateway's prompt-token estimate (controller/identity.py, what the policy sees on
     arrival) against the exact count (what the simulator's CallRequest carries), over every
-    call of the first ``programs`` programs, each built as the live client builds it (the
-    simworker's reply predicted by its own filler rule)."""
+    call of the first ``programs`` programs, each built as the live client builds it (a reply
+    of the script's length from the simworker's filler, whose words it samples)."""
     workload = setup.workload()
     tokenizer = PseudoTokenizer()
     errors: list[float] = []
@@ -80,9 +80,7 @@ def prompt_estimates(setup: ParitySetup, programs: int = 40) -> dict[str, Any]:
             errors.append(identity.prompt_tokens - exact)
             relative.append((identity.prompt_tokens - exact) / exact)
             if k + 1 < program.calls:
-                prompt = tokenizer.render_chat(messages)
-                _, reply = tokenizer.filler(program.output_tokens[k], filler_start(prompt, None),
-                                            leading_space=False)
+                _, reply = tokenizer.filler(program.output_tokens[k], index + k, leading_space=False)
                 messages = [*messages, {"role": "assistant", "content": "".join(reply)},
                             program.tool_message(k)]
     tokens, shares = np.asarray(errors), np.asarray(relative)
@@ -110,7 +108,7 @@ def idle_call_overhead(setup: ParitySetup, calls: int = 60) -> dict[str, Any]:
         gateway = ServerProcess("gateway", json.dumps(serve_config(setup, "least_loaded", [worker], log)),
                                 str(setup.time_scale)).start()
         gateway_url = gateway.wait_serving()["url"]
-        wait_ready(gateway_url, 1)
+        wait_ready(gateway_url, 1, setup.scheduling_policy)
         for route, url in (("direct", worker["url"]), ("gateway", gateway_url)):
             beyond: list[float] = []
             with httpx.Client(base_url=url, trust_env=False, timeout=10.0) as http:
@@ -223,16 +221,19 @@ def main(policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated po
          concurrency: int = typer.Option(DEFAULTS.concurrency, min=1, help="Programs in closed loop."),
          blocks: int = typer.Option(DEFAULTS.blocks, min=2, help="KV blocks per worker."),
          seed: int = typer.Option(DEFAULTS.seed, min=0, help="The workload's seed."),
+         scheduling_policy: str = typer.Option(DEFAULTS.scheduling_policy,
+                                               help="Every engine's queue order: fcfs or priority."),
          kv_probe: bool = typer.Option(True, help="Measure the KV events' transport delay."),
          calibrate: bool = typer.Option(True, help="Measure the prompt estimate and idle call overhead."),
          label: str = typer.Option("", help="Suffix of the result files (e.g. -ts0.25)."),
          out: Path = typer.Option(OUT_DIR, help="Directory of the result files.")) -> None:
-    if layout not in LAYOUTS:
-        raise typer.BadParameter(f"choose from {', '.join(LAYOUTS)}", param_hint="--layout")
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
     command = " ".join(["python -m experiments.parity", *map(shlex.quote, sys.argv[1:])])
-    setup = ParitySetup(seed=seed, blocks=blocks, time_scale=time_scale, concurrency=concurrency,
-                        duration_s=duration, layout=layout)
+    try:
+        setup = ParitySetup(seed=seed, blocks=blocks, time_scale=time_scale, concurrency=concurrency,
+                            duration_s=duration, layout=layout, scheduling_policy=scheduling_policy)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
     comparisons = []
     for policy in chosen:
         typer.echo(f"{policy}: live {duration:g} virtual s (≈ {duration * time_scale:.0f} wall s), "

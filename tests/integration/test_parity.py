@@ -39,9 +39,13 @@ def _check_same_workload(comparison: Comparison) -> None:
     assert comparison.live.calls_completed > 300, _report(comparison)
 
 
-@pytest.mark.parametrize("policy", ["program_aware", "kv_aware"])
-def test_the_gateway_on_simworkers_measures_what_the_simulator_measured(policy):
-    comparison = compare(ParitySetup(), policy)
+# Both queue orders in two runs: program_aware on engines that order by the policy's
+# priority (the simulator's default; the gateway sends the priority), kv_aware on vLLM's own
+# first-come first-served.
+@pytest.mark.parametrize(("policy", "scheduling_policy"), [("program_aware", "priority"),
+                                                           ("kv_aware", "fcfs")])
+def test_the_gateway_on_simworkers_measures_what_the_simulator_measured(policy, scheduling_policy):
+    comparison = compare(ParitySetup(scheduling_policy=scheduling_policy), policy)
     print("\n" + _report(comparison))
     _check_same_workload(comparison)
     assert abs(comparison.difference("hit_rate")) <= HIT_RATE_POINTS, _report(comparison)

@@ -21,9 +21,9 @@ program's start, in closed loop at ``concurrency`` (a program ends, the next sta
 programs spread over ``ramp_s`` as :class:`sim.simulation.ClosedLoop` spreads them; the live
 counters are read at that moment from the simworkers' and the gateway's ``/metrics``.
 
-The engines' queue order is one parameter of both shells (``scheduling_policy``); the live
-fleet can only run ``fcfs`` until the simworker takes vLLM's ``--scheduling-policy`` and the
-gateway sends the policy's priority (:func:`worker_configs`).
+The engines' queue order is one parameter of both shells (``scheduling_policy``): the
+simulator's engines, the simworkers' (vLLM's ``--scheduling-policy``) and the gateway's worker
+entries, which under ``priority`` make it send the policy's engine priority.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from controller.serve_config import parse_serve_config
 from scheduler.config import parse_policy_config
 from scheduler.kv_events import EventBatchDecoder
 from scheduler.policies import make_policy
+from sim.engine import SCHEDULING_POLICIES
 from sim.scripted import ScriptedProgram, ScriptedWorkload
 from sim.simulation import ClosedLoop, Simulation
 from sim.step_time import DEFAULT_PRESET, StepTimeModel
@@ -99,7 +100,10 @@ class ParitySetup:
     # the programs' replies are 16–128 tokens: the default reserve (512) would hold back a
     # large share of the pools for calls in flight
     growth_reserve_tokens: int = 128
-    scheduling_policy: str = "fcfs"
+    # vLLM's --scheduling-policy of every engine, simulated and live: under "priority" the
+    # policy's Admit priority orders each engine's queue (the simulator's default), under
+    # "fcfs" (vLLM's) arrival does
+    scheduling_policy: str = "priority"
     layout: str = "one_process"
 
     def __post_init__(self) -> None:
@@ -107,6 +111,9 @@ class ParitySetup:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not self.time_scale > 0 or not self.duration_s > 0:
             raise ValueError("time_scale and duration_s must be > 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
 
     def workload(self) -> ScriptedWorkload:
         return ScriptedWorkload(self.seed)
@@ -260,16 +267,13 @@ def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -
 
 
 def worker_configs(setup: ParitySetup) -> list[SimWorkerConfig]:
-    """The fleet as the simworkers run it: ZMQ sockets on loopback ports the kernel picks."""
-    if setup.scheduling_policy != "fcfs":
-        # The simworker's engine orders its queue by priority with every priority 0 (FCFS
-        # order) and the gateway does not send the policy's priority yet.
-        raise ValueError(f"the live fleet runs fcfs only on this branch, not {setup.scheduling_policy!r}")
+    """The fleet as the simworkers run it: ZMQ sockets on loopback ports the kernel picks,
+    the engines' queue order ``setup.scheduling_policy`` (vLLM's ``--scheduling-policy``)."""
     return [SimWorkerConfig(name=f"w{i}", model=MODEL, preset=setup.preset, num_blocks=setup.blocks,
                             block_size=setup.block_size, kv_events="tcp://127.0.0.1:*",
                             replay="tcp://127.0.0.1:*", directives="tcp://127.0.0.1:*",
                             time_scale=setup.time_scale, prefill_scale=setup.prefill_scale,
-                            max_lag_wall_s=CATCH_UP_WALL_S)
+                            max_lag_wall_s=CATCH_UP_WALL_S, scheduling_policy=setup.scheduling_policy)
             for i in range(setup.workers)]
 
 
@@ -388,20 +392,25 @@ def serve_config(setup: ParitySetup, policy: str, endpoints: list[dict[str, Any]
         "reload_poll_s": 0,
         "log_level": "warning",
         "request_log": str(request_log),
-        "workers": endpoints,
+        # the gateway sends the policy's priority to workers declared to order by it
+        "workers": [{**endpoint, "scheduling_policy": setup.scheduling_policy} for endpoint in endpoints],
         "policy": live_policy_section(setup.policy_section(policy), setup.time_scale),
     }
     parse_serve_config(config)  # fail here, naming the key, rather than in the process
     return config
 
 
-def wait_ready(gateway_url: str, workers: int, timeout_s: float = 30.0) -> None:
-    """Until the gateway knows every worker's capacity (read from its /metrics)."""
+def wait_ready(gateway_url: str, workers: int, scheduling_policy: str, timeout_s: float = 30.0) -> None:
+    """Until the gateway knows every worker's capacity (read from its /metrics); each must
+    be declared with the run's queue order (what decides whether it is sent priorities)."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=gateway_url, headers=ADMIN, timeout=5.0, trust_env=False) as http:
         while True:
             states = http.get("/sluice/workers").json()["workers"]
             if len(states) == workers and all(state["capacity_tokens"] for state in states):
+                declared = {state["name"]: state["scheduling_policy"] for state in states}
+                if set(declared.values()) != {scheduling_policy}:
+                    raise RuntimeError(f"workers declared {declared}, not {scheduling_policy}")
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway did not learn the workers' capacities: {states}")
@@ -561,7 +570,7 @@ def run_live(setup: ParitySetup, policy: str, kv_probe: bool = False) -> ShellRu
             gateway = ServerProcess("gateway", json.dumps(serve_config(setup, policy, endpoints, request_log)),
                                     str(setup.time_scale)).start()
             gateway_url = gateway.wait_serving()["url"]
-            wait_ready(gateway_url, setup.workers)
+            wait_ready(gateway_url, setup.workers, setup.scheduling_policy)
             client = ScriptedClient(setup, gateway_url, [endpoint["url"] for endpoint in endpoints])
             probe = KvEventProbe([endpoint["kv_events"] for endpoint in endpoints]).start() if kv_probe else None
             cpu_before = _cpu_s()

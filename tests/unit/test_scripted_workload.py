@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 
 from sim.scripted import MAX_PROGRAMS, ScriptedWorkload, word
-from sim.tokens import PseudoTokenizer, filler_start
+from sim.tokens import FILLER_WORDS, PseudoTokenizer
 
 
 def _conversation(workload: ScriptedWorkload, index: int) -> list[tuple[list[int], list[int]]]:
     """(prompt tokens, reply tokens) of each call, as a simworker would serve the program
-    to a client that sends each reply back verbatim."""
+    to a client that sends each reply back verbatim: its replies are filler from a point of
+    the word cycle it samples, here a different one each call."""
     tokenizer = PseudoTokenizer()
     program = workload.program(index)
     messages = workload.opening(program)
     calls = []
     for k in range(program.calls):
         prompt = tokenizer.render_chat(messages)
-        reply, pieces = tokenizer.filler(program.output_tokens[k], filler_start(prompt, None),
+        reply, pieces = tokenizer.filler(program.output_tokens[k], (7 * k + index) % len(FILLER_WORDS),
                                          leading_space=False)
         calls.append((prompt, reply))
         if k + 1 < program.calls:
