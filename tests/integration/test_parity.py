@@ -6,8 +6,9 @@ simworkers on loopback, in real time, and through the simulator with the same en
 preset, KV pools, policy and config (tests/support/parity.py). The targets compare two
 measurements of the same workload: prefix-cache hit rate within 2 points, pauses and resumes
 within 10%, output tokens per second within 5% of the simulator's (the mean of its runs with
-the first programs' start times a few milliseconds apart). About a minute of wall time per
-policy; ``-m parity`` selects these tests alone.
+the first programs' start times a few milliseconds apart), for program_aware on engines that
+order by the policy's priority and kv_aware on first-come first-served ones. About a minute of
+wall time each; ``-m parity`` selects these tests alone.
 """
 
 from __future__ import annotations
