@@ -96,7 +96,7 @@ class ParitySetup:
     time_scale: float = 1.0       # wall seconds per virtual second in the live run
     concurrency: int = 72
     ramp_s: float = 10.0
-    duration_s: float = 60.0      # virtual seconds
+    duration_s: float = 120.0     # virtual seconds
     # the programs' replies are 16–128 tokens: the default reserve (512) would hold back a
     # large share of the pools for calls in flight
     growth_reserve_tokens: int = 128
