@@ -1,9 +1,9 @@
 """Each worker's health, mode and capacity as the gateway sees them (:class:`WorkerState`).
 
 - Capacity: ``capacity_tokens`` from the YAML (or the admin API's worker entry), else the
-  worker's ``/metrics`` ``vllm:cache_config_info`` labels ``num_gpu_blocks × block_size``
-  (summed over its ``engine`` label values when one API server fronts several data-parallel
-  engines), retried every ``capacity_retry_s`` until known (:meth:`WorkerRegistry.learn_capacity`).
+  worker's ``/metrics`` ``vllm:cache_config_info`` labels ``(num_gpu_blocks − 1) ×
+  block_size`` (vLLM's block pool keeps block 0 as its null block; summed over its ``engine``
+  label values when one API server fronts several data-parallel engines), retried every ``capacity_retry_s`` until known (:meth:`WorkerRegistry.learn_capacity`).
   Until then the policy's ledger has no capacity for the worker, so it takes no new programs.
 - Health: ``GET /health`` every ``health_interval_s`` (:meth:`WorkerRegistry.watch_health`);
   after ``unhealthy_after`` failures in a row the worker is marked down in the policy (its
@@ -42,8 +42,10 @@ class CapacityUnknown(ValueError):
 
 
 def capacity_from_metrics(text: str) -> int:
-    """``num_gpu_blocks × block_size`` from vLLM's ``cache_config_info`` metric, summed over
-    engines. Raises :class:`CapacityUnknown` saying what is missing."""
+    """``(num_gpu_blocks − 1) × block_size`` from vLLM's ``cache_config_info`` metric, summed
+    over engines: the tokens a pool holds, less its null block (``vllm/v1/core/block_pool.py``
+    takes block 0 off the free queue for good). Raises :class:`CapacityUnknown` saying what is
+    missing."""
     per_engine: dict[str, int] = {}
     seen = False
     for match in _INFO_LINE.finditer(text):
@@ -52,7 +54,7 @@ def capacity_from_metrics(text: str) -> int:
         blocks, block_size = labels.get("num_gpu_blocks"), labels.get("block_size")
         if not (blocks and blocks.isdigit() and block_size and block_size.isdigit()):
             continue  # "None" until the engine has profiled its memory
-        per_engine.setdefault(labels.get("engine", ""), int(blocks) * int(block_size))
+        per_engine.setdefault(labels.get("engine", ""), max(int(blocks) - 1, 0) * int(block_size))
     if not seen:
         raise CapacityUnknown("no vllm:cache_config_info metric")
     total = sum(per_engine.values())

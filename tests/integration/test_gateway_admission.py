@@ -157,7 +157,7 @@ def test_unknown_capacity_takes_no_new_programs_until_metrics_tell_it():
             fake.num_gpu_blocks = 500  # the engine finished profiling
             assert pending.result().status_code == 200
             worker = gw.workers()["w0"]
-            assert worker["capacity_tokens"] == 500 * 16 and worker["capacity_source"] == "metrics"
+            assert worker["capacity_tokens"] == 499 * 16 and worker["capacity_source"] == "metrics"
 
 
 def test_failing_worker_is_marked_down_its_programs_rehomed_and_back_when_it_recovers():

@@ -257,10 +257,10 @@ def test_usage_shapes_of_each_api():
 # -- capacity --------------------------------------------------------------------------------
 
 
-def test_capacity_is_blocks_times_block_size_summed_over_engines():
-    one = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+def test_capacity_is_blocks_less_the_null_block_times_block_size_summed_over_engines():
+    one = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1001"} 1.0\n'
     assert capacity_from_metrics("# HELP x\n" + one) == 16_000
-    two = one + 'vllm:cache_config_info{num_gpu_blocks="500",engine="1",block_size="32"} 1.0\n'
+    two = one + 'vllm:cache_config_info{num_gpu_blocks="501",engine="1",block_size="32"} 1.0\n'
     assert capacity_from_metrics(two) == 16_000 + 16_000
 
 
