@@ -409,6 +409,7 @@ class _Gateway:
                 final=identity.final,
                 group_id=identity.group_id,
                 hints=identity.hints,
+                prompt_estimated=True,  # identity.estimate_tokens: ~4 bytes a token
             )
         except Exception as exc:
             # What Starlette's error middleware does for the other routes: nothing was sent yet.

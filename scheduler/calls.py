@@ -53,7 +53,9 @@ class CallRequest:
     hashes when the shell knows them (the simulator does; the gateway does not).
     ``group_id`` names programs that belong together without being one (a GRPO group's
     samples, the runs of one task, the agents of one tree under its root), and ``hints``
-    carry what the client said about the call (:class:`CallHints`).
+    carry what the client said about the call (:class:`CallHints`). ``prompt_estimated``
+    says ``prompt_tokens`` is an estimate, which the policy refines when the call continues
+    its program's last answered call (:meth:`scheduler.programs.Program.refine_prompt`).
     """
 
     request_id: str
@@ -67,6 +69,9 @@ class CallRequest:
     final: bool = False
     group_id: SessionId | None = None
     hints: CallHints | None = None
+    # ``prompt_tokens`` is the shell's estimate (the gateway's: about 4 bytes a token), not
+    # the engine's count: the policy may refine it from what the engine reported before
+    prompt_estimated: bool = False
 
     def growth_reserve(self, default: int) -> int:
         """Tokens this call may still add while it runs (:meth:`CallHints.growth_reserve`)."""

@@ -159,6 +159,9 @@ class Policy(ABC):
             program = Program(request.session_id, now, request.parent_session_id)
             self.programs[request.session_id] = program
         program.note_call(request)
+        refined = program.refine_prompt(request)
+        if refined != request.prompt_tokens:
+            request = dataclasses.replace(request, prompt_tokens=refined)
         if program.group_id is not None:
             self.groups.setdefault(program.group_id, set()).add(program.session_id)
         call = Call(request, now)

@@ -968,3 +968,17 @@ def test_a_new_program_joins_a_sibling_of_its_group_that_shares_its_prompt() -> 
     d.p.release(SessionId("s1"), 1.0, "test")
     d.p.release(SessionId("s2"), 1.0, "test")
     assert d.p.groups == {}
+
+
+def test_an_estimated_prompt_is_refined_from_the_engines_count_of_the_answered_call() -> None:
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
+    first = mint_chain("m", None, None, messages)
+    later = mint_chain("m", None, None, [*messages, {"role": "assistant", "content": "a"},
+                                         {"role": "tool", "content": "out"}])
+    d = Driver(make())
+    admit = d.arrive("a", 300, chain=first, chain_tokens=(0, 100, 300), prompt_estimated=True)
+    d.p.on_complete(admit.request_id, Usage(prompt_tokens=280, completion_tokens=40), 1.0)
+    d.arrive("a", 420, now=2.0, chain=later, chain_tokens=(0, 100, 300, 350, 420),
+             prompt_estimated=True)
+    # its demand: 320 counted by the engine + 70 estimated after the answer, not 420
+    assert d.u() == pytest.approx(0.39)

@@ -413,3 +413,60 @@ def test_call_request_chain_tokens_need_a_chain_of_the_same_length():
         call("r1", chain=chain, chain_tokens=(10,))
     assert call("r1", chain=chain, chain_tokens=(10, 20)).chain_tokens == (10, 20)
     assert call("r1", chain=chain).chain_tokens is None
+
+
+# -- the prompt of a call that carries on from the last answered one --------------------------
+
+SYSTEM = {"role": "system", "content": "s"}
+TASK = {"role": "user", "content": "task"}
+ANSWER = {"role": "assistant", "content": "done"}
+TOOL = {"role": "tool", "content": "out"}
+
+
+def estimated(rid: str, messages: list, tokens: tuple[int, ...], **kw) -> CallRequest:
+    chain = mint_chain("m", None, None, messages)
+    return call(rid, tokens[-1], chain=chain, chain_tokens=tokens, prompt_estimated=True, **kw)
+
+
+def answered_once() -> Program:
+    """A program whose first call (estimated 300 tokens) the engine counted as 280 + 40."""
+    p = active()
+    p.begin_call(estimated("r1", [SYSTEM, TASK], (0, 100, 300)), RESERVE, 2.0)
+    p.end_call("r1", Usage(280, 40), 3.0)
+    return p
+
+
+def test_a_continuing_calls_prompt_is_the_exact_context_plus_the_estimate_of_what_it_adds():
+    p = answered_once()
+    later = estimated("r2", [SYSTEM, TASK, ANSWER, TOOL], (0, 100, 300, 350, 420))
+    # 280 + 40 counted by the engine, then the tool message: 420 − 350 estimated
+    assert p.refine_prompt(later) == 320 + 70
+
+
+def test_the_shells_count_stands_when_it_is_exact_or_the_call_does_not_continue():
+    p = answered_once()
+    tokens = (0, 100, 300, 350, 420)
+    exact = call("r2", 420, chain=mint_chain("m", None, None, [SYSTEM, TASK, ANSWER, TOOL]),
+                 chain_tokens=tokens)
+    assert p.refine_prompt(exact) == 420  # the simulator's: the engine's own count
+    fork = estimated("r3", [SYSTEM, {"role": "user", "content": "other"}, ANSWER, TOOL], tokens)
+    assert p.refine_prompt(fork) == 420
+    again = estimated("r4", [SYSTEM, TASK], (0, 100, 300))  # nothing after the answer
+    assert p.refine_prompt(again) == 300
+    assert new().refine_prompt(estimated("r5", [SYSTEM, TASK], (0, 100, 300))) == 300
+
+
+def test_while_a_call_is_in_flight_the_context_is_stale_and_the_count_stands():
+    p = answered_once()
+    p.begin_call(estimated("r2", [SYSTEM, TASK, ANSWER, TOOL], (0, 100, 300, 350, 420)), RESERVE, 4.0)
+    parallel = estimated("r3", [SYSTEM, TASK, ANSWER, TOOL], (0, 100, 300, 350, 420))
+    assert p.refine_prompt(parallel) == 420
+
+
+def test_an_aborted_call_leaves_the_last_answered_call_as_the_reference():
+    p = answered_once()
+    retry = estimated("r2", [SYSTEM, TASK, ANSWER, TOOL], (0, 100, 300, 350, 420))
+    p.begin_call(retry, RESERVE, 4.0)
+    p.end_call("r2", None, 5.0)
+    assert p.refine_prompt(estimated("r3", [SYSTEM, TASK, ANSWER, TOOL],
+                                     (0, 100, 300, 350, 420))) == 390
