@@ -36,7 +36,7 @@ def test_the_simworker_actor_reports_every_socket_at_its_address_and_the_gateway
     assert set(endpoint) == {"name", "url", "kv_events", "replay", "directives"}
     assert endpoint["url"].startswith(f"http://{LOOPBACK}:")
     assert all(endpoint[key].startswith(f"tcp://{LOOPBACK}:") for key in ("kv_events", "replay", "directives"))
-    assert gateway.wait_ready(20.0) == {"w0": 4096}
+    assert gateway.wait_ready(20.0) == {"w0": 4080}  # 256 blocks of 16, less the null block
     assert gateway.endpoints() == [endpoint]
     assert httpx.get(f"{gateway.url()}/health", timeout=5.0).status_code == 200
 

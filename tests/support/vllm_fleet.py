@@ -36,7 +36,8 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 NUM_BLOCKS = 64                 # per worker: 2,048 tokens of KV
 MAX_MODEL_LEN = 1024
-CAPACITY_TOKENS = NUM_BLOCKS * BLOCK_SIZE
+# what the gateway reads off /metrics: the pool less vLLM's null block (block 0)
+CAPACITY_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
 START_ATTEMPTS = 3  # a worker that loses a port race at start-up gets new ports
