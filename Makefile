@@ -2,6 +2,8 @@
 #
 #   make demo    run the scripted two-policy demo
 #   make test    run the test suite
+#   make test-fast  the suite without its slow tiers (real vLLM, real clients, Ray, long runs):
+#                the edit-run loop, under 3 minutes on 2 cores
 #   make bench   print BENCH <name> <value> <unit> lines (progress goes to stderr)
 #   make clean   remove caches and build outputs (keeps .venv); `make distclean` also drops .venv
 
@@ -15,7 +17,7 @@ OPTIONAL_EXTRAS := ray
 # Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
 STAMP  := $(VENV)/.sluice-installed
 
-.PHONY: venv vllm-venv test demo bench clean distclean
+.PHONY: venv vllm-venv test test-fast demo bench clean distclean
 
 venv: $(STAMP)
 
@@ -37,6 +39,10 @@ vllm-venv:
 
 test: venv vllm-venv
 	$(VPY) -m pytest -q tests
+
+# What is slow is listed in tests/conftest.py; no vLLM needed.
+test-fast: venv
+	$(VPY) -m pytest -q -m "not slow" tests
 
 demo: venv
 	$(VENV)/bin/sluice demo
