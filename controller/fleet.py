@@ -39,19 +39,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.abc
 
 from controller.admission import Admission, DirectiveSink
+from controller.metrics import Metrics
 from controller.serve_config import ServeConfig, WorkerConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import UpstreamPool
 from controller.workers import MembershipError, WorkerMode, WorkerRegistry, WorkerState
-
-if TYPE_CHECKING:
-    from controller.operations import Metrics
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,10 @@ from controller.identity import (
     resolve_identity,
 )
 from controller.model_catalog import ModelCatalog
-from controller.operations import AdminApi, ConfigReloader, Metrics, RequestLog, request_end_record
+from controller.admin_api import AdminApi
+from controller.config_reload import ConfigReloader
+from controller.metrics import Metrics
+from controller.request_log import RequestLog, request_end_record
 from controller.relay_client import RelayResponse, TransportError
 from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
