@@ -408,54 +408,57 @@ class UpstreamPool:
             idle_expiry_s=config.idle_expiry_s,
         )
         self._timeout, self._limits = timeout, limits
-        self._clients: dict[str, httpx.AsyncClient] = {}
-        self._relays: dict[str, WorkerConnections] = {}
-        self.urls: dict[str, str] = {}
-        # workers whose vLLM orders its queue by the request's priority (scheduling_policy)
-        self._by_priority: set[str] = set()
+        self._workers: dict[str, _WorkerUpstream] = {}
         for worker in workers:
             self.add(worker)
 
     def add(self, worker: WorkerConfig) -> None:
-        if worker.name in self._clients:
+        if worker.name in self._workers:
             raise ValueError(f"upstream: a worker named {worker.name!r} exists already")
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
-        self._clients[worker.name] = httpx.AsyncClient(
+        client = httpx.AsyncClient(
             base_url=worker.url, timeout=self._timeout, trust_env=False, follow_redirects=False,
             limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
         )
-        self._relays[worker.name] = WorkerConnections(worker.url, self._limits)
-        self.urls[worker.name] = worker.url
-        if worker.scheduling_policy == "priority":
-            self._by_priority.add(worker.name)
+        self._workers[worker.name] = _WorkerUpstream(
+            client, WorkerConnections(worker.url, self._limits),
+            worker.scheduling_policy == "priority")
 
     async def remove(self, name: str) -> None:
         """Close the worker's connections (it has no call in flight: it was drained)."""
-        relay, client = self._relays.pop(name), self._clients.pop(name)
-        del self.urls[name]
-        self._by_priority.discard(name)
-        await relay.aclose()
-        await client.aclose()
+        upstream = self._workers.pop(name)
+        await upstream.relay.aclose()
+        await upstream.client.aclose()
 
     def client(self, worker: str) -> httpx.AsyncClient:
-        return self._clients[worker]
+        return self._workers[worker].client
 
     def relay(self, worker: str) -> WorkerConnections:
-        return self._relays[worker]
+        return self._workers[worker].relay
 
     def takes_priority(self, worker: str) -> bool:
         """Whether ``worker``'s vLLM runs ``--scheduling-policy priority`` (its config says so)."""
-        return worker in self._by_priority
+        upstream = self._workers.get(worker)
+        return upstream is not None and upstream.takes_priority
 
     def names(self) -> list[str]:
-        return list(self._clients)
+        return list(self._workers)
 
     async def aclose(self) -> None:
-        for relay in self._relays.values():
-            await relay.aclose()
-        for client in self._clients.values():
-            await client.aclose()
+        for upstream in self._workers.values():
+            await upstream.relay.aclose()
+        for upstream in self._workers.values():
+            await upstream.client.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerUpstream:
+    """One worker's connections, and how its engine orders its queue."""
+
+    client: httpx.AsyncClient  # control calls: health, capacity, models
+    relay: WorkerConnections  # the relay path's keep-alive pool
+    takes_priority: bool  # its vLLM runs --scheduling-policy priority (scheduling_policy)
 
 
 class WorkerUnreachable(GatewayError):
