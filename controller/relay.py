@@ -56,17 +56,19 @@ from controller.request_log import request_end_record
 from controller.serve_config import ServeConfig
 from controller.upstream import (
     ERROR_SNIPPET_BYTES,
-    StreamTap,
-    UsageCounts,
     WorkerUnreachable,
-    decode_json,
-    find_response_id,
-    find_usage,
     forward_headers,
     open_upstream,
     response_headers,
     transport_error,
     with_engine_priority,
+)
+from controller.worker_answers import (
+    StreamTap,
+    UsageCounts,
+    decode_json,
+    find_response_id,
+    find_usage,
 )
 from scheduler.calls import CallRequest, Usage
 
