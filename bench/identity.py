@@ -39,8 +39,9 @@ from typing import Any
 
 from bench.common import progress, result
 from controller.conversations import AnswerTap, Conversations, answer_from_body
-from controller.identity import CONTENT_SOURCE, ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_RESPONSES, resolve_identity
-from controller.upstream import StreamTap
+from controller.identity import CONTENT_SOURCE, resolve_identity
+from controller.prompt import ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_RESPONSES
+from controller.worker_answers import StreamTap
 
 ROUTE_KINDS = {ROUTE_CHAT: "chat", ROUTE_MESSAGES: "messages", ROUTE_RESPONSES: "responses"}
 WORDS = ("the test fails because the fixture is stale so we patch the loader and run it again "

@@ -8,9 +8,10 @@ carries out what comes back; it decides nothing itself.
   applies), and one runs after each completion or abort when the policy asks for it
   (``ticks_after_completion``).
 - Actions: ``Admit`` wakes its waiter with the worker; ``Release`` refuses the released
-  program's held calls (503) and, like ``Retain``/``Demote``, goes to the
-  :class:`DirectiveSink` (the gateway's is the directive sender, controller/directives.py);
-  ``Pause``/``Resume``/``Mark`` are logged (the policy counts them in its stats).
+  program's held calls (503) and, like ``Retain``/``Demote``/``Offload``/``Prefetch``, goes
+  to the :class:`DirectiveSink` (the gateway's is the directive sender,
+  controller/directives.py); ``Pause``/``Resume``/``Mark`` are logged (the policy counts
+  them in its stats).
 - A waiter cancelled (its client went away) is aborted in the policy: a held call simply
   disappears, one admitted meanwhile ends without usage.
 - Bounds (``limits:``): a call that would start a program past ``max_programs``, or be held
@@ -23,6 +24,18 @@ carries out what comes back; it decides nothing itself.
   refused with 500, a call the policy tracks but the shell does not is aborted in the policy.
   An arrival that fails is a 500; a completion that fails still delivers the answer, which
   is already computed, and the call is retired.
+
+**Invariants** (cited where kept):
+
+1. Every policy call that can change it runs under the admission lock, so it sees one
+   operation at a time, each with its own ``now``; reads (:meth:`Admission.snapshot`,
+   ``program_view``, ``calls_on``) are taken in one go on the event loop's thread.
+2. The shell and the policy agree on the calls: every held call (a waiter) is held in the
+   policy, every dispatched one dispatched there, and the policy tracks no call the shell
+   does not. A policy error is the one way it can break; :meth:`Admission._reconcile`
+   restores it, and :meth:`Admission.disagreements` lists where it does not hold.
+3. The policy's workers are the fleet's: a KV batch or reset for a worker not (or no
+   longer) entered is dropped (:meth:`Admission.observe_kv`).
 """
 
 from __future__ import annotations
@@ -50,10 +63,13 @@ Directive = Retain | Demote | Release | Offload | Prefetch
 ADAPTIVE_LOG_CHANGE = 0.1
 
 class DirectiveSink:
-    """Where retention directives go. The default only logs them; the directive sender
-    (KvHint envelopes to each worker's plugin socket) replaces it. ``send`` must not block:
-    it is called under the admission lock. Workers come and go with :meth:`add` and
-    :meth:`remove` (here: nothing to open; the sender opens and closes a socket)."""
+    """Where retention directives go: counted by kind (the ``sluice_directives_sent``
+    metric) and logged at debug level. The gateway's sink is its subclass, the directive
+    sender (controller/directives.py), which also sends each to its worker's engine plugin;
+    this base sink alone sends nothing anywhere (an :class:`Admission` built without a sink,
+    as in tests, gets it). ``send`` must not block: it is called under the admission lock.
+    Workers come and go with :meth:`add` and :meth:`remove` (here: nothing to open; the
+    sender opens and closes a socket)."""
 
     def __init__(self, log: Any | None = None) -> None:
         self._log = log
@@ -112,8 +128,9 @@ class Admission:
         self._log = log
         self.sink = sink if sink is not None else DirectiveSink(log)
         self.limits = limits if limits is not None else LimitsConfig()
-        # fast_acquire: an uncontended lock is taken without yielding to the event loop
-        # (measured: ~14 us less per call, and no extra scheduling turn per call under load).
+        # Every policy call that can change it holds this (invariant 1). fast_acquire: an
+        # uncontended lock is taken without yielding to the event loop (measured: ~14 us
+        # less per call, and no extra scheduling turn per call under load).
         self._lock = anyio.Lock(fast_acquire=True)
         self._waiters: dict[str, _Waiter] = {}
         # Calls admitted to a worker whose completion or abort the policy has not heard yet.
@@ -281,6 +298,7 @@ class Admission:
         self._reconcile(now)
 
     def _reconcile(self, now: float) -> None:
+        """Make the shell's calls the policy's again after a policy error (invariant 2)."""
         tracked = self.policy.call_workers()
         for request_id, waiter in list(self._waiters.items()):
             if request_id not in tracked:
@@ -411,7 +429,7 @@ class Admission:
         applied, when ``worker`` left the fleet while the batch waited for the lock (the
         index would otherwise take the worker back)."""
         async with self._lock:
-            if worker not in self._workers:
+            if worker not in self._workers:  # invariant 3
                 return False
             self.policy.observe_kv(worker, batch)
             return True

@@ -25,8 +25,9 @@ class Cuttable(Protocol):
 
 
 class Drain:
-    """Invariant: ``_open`` holds exactly the calls in progress (each tracks itself for its
-    whole life), so the cut reaches every one of them."""
+    """Invariant 1: ``_open`` holds exactly the calls in progress (each tracks itself for its
+    whole life: controller/relay.py ``ProxyCall``), so the cut reaches every one of them.
+    Invariant 2: a call that starts after the cut is cut as it starts (:meth:`track`)."""
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
@@ -37,7 +38,7 @@ class Drain:
 
     def track(self, call: Cuttable) -> None:
         if self.cut:
-            call.cut_by_drain()  # arrived on a connection still open after the cut
+            call.cut_by_drain()  # arrived on a connection still open after the cut (invariant 2)
         self._open.add(call)
 
     def untrack(self, call: Cuttable) -> None:
@@ -50,11 +51,6 @@ class Drain:
     @property
     def cut(self) -> bool:
         return self._cut is not None and self._cut.is_set()
-
-    async def wait_cut(self) -> None:
-        if self._cut is None:
-            raise RuntimeError("Drain.open() was not called: the app's lifespan did not run")
-        await self._cut.wait()
 
     def begin(self) -> None:
         """Shutdown started: cut whatever is still open ``grace_s`` from now."""

@@ -24,8 +24,26 @@ the capacity is unknown, its KV-event applier and reader) under one cancel scope
 own. Opening keeps the undoing of each step as it goes, and :meth:`WorkerRecord.close` runs
 exactly that in reverse: the tasks are stopped, and waited for, first, so nothing of the
 worker runs while it leaves the policy (no KV batch can bring its index back), then its
-stats, sockets and connections go. A failure half-way through opening undoes the steps done,
-so a worker is in every table or in none.
+stats, sockets and connections go.
+
+**Invariants** (cited where kept):
+
+1. A worker is in every table or in none: a failure half-way through opening undoes the
+   steps done (:meth:`WorkerRecord.open`), and closing runs every step even when one fails.
+2. Nothing of a worker runs while it leaves the policy: its tasks have ended before
+   ``Admission.remove_worker`` (:meth:`WorkerRecord.close`).
+3. Only a worker with no call in flight leaves, and membership changes run one at a time
+   (:meth:`Fleet.remove`).
+
+**Why the tables stay.** The record is the worker's one handle (its config, its state and
+how to close it), but each mechanism keeps its own table by name: each is read on that
+mechanism's own path (the relay's connections on every call, the directive socket under the
+admission lock, the KV source by topic on every frame), each holds a different set (a
+socket only for a worker with ``directives``, a KV source only for one that has events, an
+index key per data-parallel rank, metrics series only once a call ran), and the ledger is
+the core's, which holds no shell state. One shared record would make every mechanism depend
+on the fleet that composes them; the fleet's one add and one remove keep them in step
+instead.
 
 :class:`Fleet` holds the records. The configured workers are opened when the gateway starts,
 before it serves a call; others are added and removed at run time through the admin API
@@ -39,19 +57,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.abc
 
 from controller.admission import Admission, DirectiveSink
+from controller.metrics import Metrics
 from controller.serve_config import ServeConfig, WorkerConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import UpstreamPool
 from controller.workers import MembershipError, WorkerMode, WorkerRegistry, WorkerState
-
-if TYPE_CHECKING:
-    from controller.operations import Metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +131,7 @@ class WorkerRecord:
         ``first_health_check`` its health is checked once before this returns (a worker
         added at run time is answered with it), the next check an interval later."""
         name = config.name
+        # each step pushes its undoing; a failure unwinds the steps done (invariant 1)
         async with AsyncExitStack() as undo:
             state = tables.registry.add(config)
             undo.callback(tables.registry.remove, name)
@@ -138,7 +155,7 @@ class WorkerRecord:
             if kv_source is not None:
                 to_run.append(("KV events", tables.kv_events.run_source, (kv_source,)))
             await tasks.start(worker_tasks.run, to_run, name=f"tasks of {name}")
-            undo.push_async_callback(worker_tasks.stop)
+            undo.push_async_callback(worker_tasks.stop)  # runs first on close (invariant 2)
             wiring = {
                 "kv_events": None if kv_source is None
                 else kv_source.worker.kv_events or "kv_events_bind",
@@ -207,7 +224,7 @@ class Fleet:
             if record.state.mode is WorkerMode.SERVING:
                 raise MembershipError(f"worker {name!r} is serving: drain it first")
             in_flight = self.tables.admission.calls_on(name)
-            if in_flight:
+            if in_flight:  # invariant 3
                 raise MembershipError(f"worker {name!r} still has {in_flight} call(s) in flight; "
                                       "remove it once they finish")
             # out of the listing first: the policy forgets it half-way through closing

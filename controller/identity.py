@@ -1,13 +1,15 @@
-"""Who a request belongs to, and where its prompt sits among the ones seen before.
+"""Who a request belongs to: its program, parent, group, hints and continuation chain.
 
 architecture.md §5.2 "Identity" and §2 "Coordinates". :func:`resolve_identity` reads the
 program (session) id from the first identity source a request carries — the body's agent
 contexts first, then session headers, then plain body fields (:data:`SOURCE_ORDER`) —
 with its parent, its group and the client's hints (priority, deadline, expected output,
-retention TTL); mints the continuation chain of the prompt, estimates its token counts, and
-returns the body to forward without the identity fields Sluice consumes (``program_id``,
-``agent_hint``, ``nvext.agent_context`` / ``agent_hints``, ``vllm_xargs.agentic_context``)
-and without any continuation id the client sent.
+retention TTL); mints the continuation chain of the prompt (read per route by
+controller/prompt.py, which also estimates its token counts), and returns the body to
+forward without the identity fields Sluice consumes (``program_id``, ``agent_hint``,
+``nvext.agent_context`` / ``agent_hints``, ``vllm_xargs.agentic_context``) and without any
+continuation id the client sent. A ``previous_response_id`` is looked up in
+:class:`ResponseSessions`, the Responses ids the gateway has seen answered.
 
 A request with no identity at all is resolved by its content: its group is a hash of its
 opening (model, salt, system prompt, first user message), and :attr:`Identity.continues`
@@ -25,19 +27,13 @@ import hashlib
 import json
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from controller.conversations import (
-    Answer,
-    AnswerKey,
-    anthropic_answer,
-    answer_fingerprint,
-    chat_answer,
-    is_response_output_item,
-    responses_answer,
-)
+from controller.conversations import AnswerKey, answer_fingerprint
+from controller.prompt import ROUTES, IdentityError, json_type, read_prompt
 from scheduler.calls import CallHints
 from scheduler.coordinates import (
     ContinuationChain,
@@ -47,12 +43,6 @@ from scheduler.coordinates import (
     mint_chain,
     validate_session_id,
 )
-
-ROUTE_CHAT = "/v1/chat/completions"
-ROUTE_COMPLETIONS = "/v1/completions"
-ROUTE_RESPONSES = "/v1/responses"
-ROUTE_MESSAGES = "/v1/messages"
-ROUTES = frozenset({ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_RESPONSES, ROUTE_MESSAGES})
 
 # vllm-router's program scheduling contract (docs/program_scheduling.md in
 # vllm-project/router): vllm_xargs.agentic_context {program_id, session_id, task_id,
@@ -89,12 +79,12 @@ SOURCE_ORDER = (AGENTIC_CONTEXT_SOURCE, NVEXT_CONTEXT_SOURCE, AGENT_HINT_SOURCE,
                 CONTENT_SOURCE)
 
 _FINAL_VALUES = frozenset({"true", "1"})
-_SYSTEM_ROLES = frozenset({"system", "developer"})
 # Claude Code before 2.0 put "user_<hash>_account_<uuid>_session_<uuid>" in metadata.user_id.
 _LEGACY_CLAUDE_CODE_USER_ID = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
 _INT32 = 2**31
 # A hint's seconds are bounded so that a client cannot make the policy's arithmetic overflow.
 _HINT_MAX_SECONDS = 10 * 365 * 24 * 3600.0
+RESPONSE_SESSIONS_KEPT = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,35 +105,28 @@ class Identity:
     continues: AnswerKey | None = None
 
 
-class IdentityError(ValueError):
-    """A request's identity or prompt shape is invalid; the gateway answers 400.
+class ResponseSessions:
+    """Responses API ids → the session that produced them, for a later call's
+    ``previous_response_id`` (the relay puts each answered call's id; the oldest of more
+    than ``limit`` go first)."""
 
-    ``source`` names the header (``"x-session-id"``) or body field (``"body.session_id"``,
-    ``"body.messages[3]"``) at fault; ``problem`` says what is wrong with it.
-    """
+    def __init__(self, limit: int = RESPONSE_SESSIONS_KEPT) -> None:
+        self._limit = limit
+        self._map: OrderedDict[str, str] = OrderedDict()
 
-    def __init__(self, source: str, problem: str) -> None:
-        super().__init__(f"{source}: {problem}")
-        self.source = source
-        self.problem = problem
+    def get(self, response_id: str) -> str | None:
+        return self._map.get(response_id)
+
+    def put(self, response_id: str, session_id: str) -> None:
+        self._map[response_id] = session_id
+        self._map.move_to_end(response_id)
+        if len(self._map) > self._limit:
+            self._map.popitem(last=False)
 
 
 def _no_lookup(_response_id: str) -> SessionId | None:
     return None
 
-
-def estimate_tokens(value: Any) -> int:
-    """About one token per 4 bytes of the value's text: a string as is (UTF-8), anything else
-    as its canonical JSON. 0 for ``None`` and empty strings, lists and objects; otherwise ≥ 1."""
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        n = len(value) if value.isascii() else len(value.encode("utf-8"))
-    elif isinstance(value, (list, tuple, dict)) and not value:
-        return 0
-    else:
-        n = len(canonical(value))
-    return (n + 3) // 4
 
 
 def resolve_identity(
@@ -173,13 +156,13 @@ def resolve_identity(
     if route not in ROUTES:
         raise ValueError(f"resolve_identity: unknown route {route!r}")
     if not isinstance(body, dict):
-        raise IdentityError("body", f"must be a JSON object, got {_json_type(body)}")
+        raise IdentityError("body", f"must be a JSON object, got {json_type(body)}")
     if type(headers) is dict:
         headers = {str(k).lower(): v for k, v in headers.items()}
 
     model = _optional_str(body, "model")
     cache_salt = _optional_str(body, "cache_salt")
-    prompt = _PROMPT_READERS[route](body)
+    prompt = read_prompt(route, body)
     contexts = _Contexts.read(body)
 
     found = _session(headers, body, contexts, lookup_response)
@@ -228,7 +211,7 @@ def _object(value: Any, source: str) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise IdentityError(source, f"must be an object, got {_json_type(value)}")
+        raise IdentityError(source, f"must be an object, got {json_type(value)}")
     return value
 
 
@@ -284,7 +267,7 @@ def _hint_int(obj: dict, key: str, source: str, minimum: int = -_INT32) -> int |
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise IdentityError(f"{source}.{key}", f"must be an integer, got {_json_type(value)}")
+        raise IdentityError(f"{source}.{key}", f"must be an integer, got {json_type(value)}")
     if not minimum <= value < _INT32:
         raise IdentityError(f"{source}.{key}", f"must be in [{minimum}, {_INT32}), got {value}")
     return value
@@ -295,7 +278,7 @@ def _hint_seconds(obj: dict, key: str, source: str) -> float | None:
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise IdentityError(f"{source}.{key}", f"must be a number of seconds, got {_json_type(value)}")
+        raise IdentityError(f"{source}.{key}", f"must be a number of seconds, got {json_type(value)}")
     if not (math.isfinite(value) and 0 <= value <= _HINT_MAX_SECONDS):
         raise IdentityError(f"{source}.{key}", f"must be between 0 and {_HINT_MAX_SECONDS:g}, got {value}")
     return float(value)
@@ -388,7 +371,7 @@ def _session(
         if isinstance(conversation, str):
             return _Found(_validated(conversation, source), source, None, None)
         raise IdentityError(
-            source, f"must be a string or an object with an id, got {_json_type(conversation)}"
+            source, f"must be a string or an object with an id, got {json_type(conversation)}"
         )
     return _Found(None, CONTENT_SOURCE, None, None)
 
@@ -451,272 +434,6 @@ def _content_session(
     return SessionId(CONTENT_SESSION_PREFIX + h.hexdigest())
 
 
-# -- the prompt, per route ----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    tools: Any  # what c0 covers (besides model and salt)
-    elements: list[Any]  # one chain id each
-    chain_tokens: tuple[int, ...]  # cumulative: tools, then through each element
-    system: list[Any]  # system prompt parts, for the content-derived session id
-    first_user: Any  # the first user message's content, likewise
-    # the last assistant turn before the end (not a final one the reply continues): the
-    # index of its first element, and the turn
-    answer: tuple[int, Answer] | None = None
-
-
-def _last_answer(elements: list[Any], is_turn: Callable[[Any], bool],
-                 read: Callable[[list[Any]], Answer], *, runs: bool) -> tuple[int, Answer] | None:
-    """The last answer among ``elements`` and the index of its first element, skipping
-    answer elements at the very end (a final assistant message is a prefill the reply
-    continues, not an answer the call carries back). An answer is one element, or with
-    ``runs`` a run of consecutive ones (a Responses answer: reasoning, message, calls)."""
-    end = len(elements)
-    while end and is_turn(elements[end - 1]):
-        end -= 1
-    stop = end
-    while stop and not is_turn(elements[stop - 1]):
-        stop -= 1
-    if not stop:
-        return None
-    start = stop - 1
-    if runs:
-        while start and is_turn(elements[start - 1]):
-            start -= 1
-    return start, read(elements[start:stop])
-
-
-def _is_assistant(element: Any) -> bool:
-    return element.get("role") == "assistant"
-
-
-def _read_chat(body: dict) -> _Prompt:
-    messages = _message_list(body, "messages", required=True)
-    tools = _tools(body)
-    system, first_user = _opening(messages)
-    answer = _last_answer(messages, _is_assistant, lambda run: chat_answer(run[0]), runs=False)
-    return _Prompt(tools, messages, _cumulative(tools, messages, "body.messages"), system,
-                   first_user, answer)
-
-
-def _read_completions(body: dict) -> _Prompt:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise IdentityError("body.prompt", "is required")
-    if not isinstance(prompt, (str, list)):
-        raise IdentityError(
-            "body.prompt", f"must be a string or an array, got {_json_type(prompt)}"
-        )
-    tools = _tools(body)
-    base = _estimate(tools, "body.tools")
-    return _Prompt(tools, [prompt], (base, base + _completion_prompt_tokens(prompt)), [], prompt)
-
-
-def _read_responses(body: dict) -> _Prompt:
-    tools = _tools(body)
-    elements: list[Any] = []
-    system: list[Any] = []
-    instructions = body.get("instructions")
-    if isinstance(instructions, str):
-        elements.append({"role": "system", "content": instructions})
-        system.append(instructions)
-    elif isinstance(instructions, list):
-        items = _clean_items(instructions, "body.instructions")
-        elements.extend(items)
-        system.append(items)
-    elif instructions is not None:
-        raise IdentityError(
-            "body.instructions", f"must be a string or an array, got {_json_type(instructions)}"
-        )
-    n_instructions = len(elements)
-
-    raw_input = body.get("input")
-    if isinstance(raw_input, str):
-        items = [{"role": "user", "content": raw_input}]
-    elif isinstance(raw_input, list):
-        items = _clean_items(raw_input, "body.input")
-    elif raw_input is None:
-        items = []
-    else:
-        raise IdentityError(
-            "body.input", f"must be a string or an array, got {_json_type(raw_input)}"
-        )
-    elements.extend(items)
-    more_system, first_user = _opening(items)
-    system.extend(more_system)
-
-    def field(i: int) -> str:
-        if i < n_instructions:
-            if isinstance(instructions, list):
-                return f"body.instructions[{i}]"
-            return "body.instructions"
-        if isinstance(raw_input, list):
-            return f"body.input[{i - n_instructions}]"
-        return "body.input"
-
-    answer = _last_answer(elements, is_response_output_item, responses_answer, runs=True)
-    return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user,
-                   answer)
-
-
-def _read_messages(body: dict) -> _Prompt:
-    messages = _message_list(body, "messages", required=True)
-    tools = _tools(body)
-    raw_system = body.get("system")
-    if raw_system is None:
-        elements = messages
-        system: list[Any] = []
-        offset = 0
-    elif isinstance(raw_system, (str, list)):
-        if isinstance(raw_system, list):
-            raw_system = [_without_cache_control(b) for b in raw_system]
-        elements = [{"role": "system", "content": raw_system}, *messages]
-        system = [raw_system]
-        offset = 1
-    else:
-        raise IdentityError(
-            "body.system", f"must be a string or an array, got {_json_type(raw_system)}"
-        )
-    _, first_user = _opening(messages)
-
-    def field(i: int) -> str:
-        return "body.system" if i < offset else f"body.messages[{i - offset}]"
-
-    answer = _last_answer(elements, _is_assistant,
-                          lambda run: anthropic_answer(run[0].get("content")), runs=False)
-    return _Prompt(tools, elements, _cumulative(tools, elements, field), system, first_user,
-                   answer)
-
-
-_PROMPT_READERS: dict[str, Callable[[dict], _Prompt]] = {
-    ROUTE_CHAT: _read_chat,
-    ROUTE_COMPLETIONS: _read_completions,
-    ROUTE_RESPONSES: _read_responses,
-    ROUTE_MESSAGES: _read_messages,
-}
-
-
-def _message_list(body: dict, key: str, *, required: bool) -> list[Any]:
-    value = body.get(key)
-    if value is None:
-        if required:
-            raise IdentityError(f"body.{key}", "is required")
-        return []
-    if not isinstance(value, list):
-        raise IdentityError(f"body.{key}", f"must be an array, got {_json_type(value)}")
-    return _clean_items(value, f"body.{key}")
-
-
-def _clean_items(items: list[Any], field: str) -> list[Any]:
-    """Every item must be an object; ``cache_control`` markers are dropped (they move from
-    turn to turn and never reach the engine's tokens), copying only the items that had one."""
-    out = items
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise IdentityError(f"{field}[{i}]", f"must be an object, got {_json_type(item)}")
-        cleaned = _without_cache_control(item)
-        if cleaned is not item:
-            if out is items:
-                out = list(items)
-            out[i] = cleaned
-    return out
-
-
-def _without_cache_control(item: Any) -> Any:
-    """``item`` without ``cache_control`` on itself or on the blocks of its ``content``; the
-    same object when it has none."""
-    if not isinstance(item, dict):
-        return item
-    content = item.get("content")
-    new_content = content
-    if isinstance(content, list):
-        for i, block in enumerate(content):
-            if isinstance(block, dict) and "cache_control" in block:
-                if new_content is content:
-                    new_content = list(content)
-                new_content[i] = {k: v for k, v in block.items() if k != "cache_control"}
-    if new_content is content and "cache_control" not in item:
-        return item
-    out = {k: v for k, v in item.items() if k != "cache_control"}
-    if new_content is not content:
-        out["content"] = new_content
-    return out
-
-
-def _tools(body: dict) -> list[Any] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise IdentityError("body.tools", f"must be an array, got {_json_type(tools)}")
-    return [_strip_key(t, "cache_control") for t in tools]
-
-
-def _strip_key(item: Any, key: str) -> Any:
-    if isinstance(item, dict) and key in item:
-        return {k: v for k, v in item.items() if k != key}
-    return item
-
-
-def _opening(messages: list[Any]) -> tuple[list[Any], Any]:
-    """System/developer contents before the first user message, and that message's content."""
-    system: list[Any] = []
-    for message in messages:
-        role = message.get("role")
-        if role == "user":
-            return system, message.get("content")
-        if role in _SYSTEM_ROLES:
-            system.append(message.get("content"))
-    return system, None
-
-
-def _estimate(value: Any, field: str) -> int:
-    try:
-        return estimate_tokens(value)
-    except (TypeError, ValueError) as exc:  # NaN/Infinity from a lenient JSON parser
-        raise IdentityError(field, f"is not representable as JSON ({exc})") from exc
-
-
-def _cumulative(
-    tools: Any, elements: list[Any], field: str | Callable[[int], str]
-) -> tuple[int, ...]:
-    total = _estimate(tools, "body.tools")
-    out = [total]
-    for i, element in enumerate(elements):
-        try:
-            total += estimate_tokens(element)
-        except (TypeError, ValueError) as exc:
-            name = field(i) if callable(field) else f"{field}[{i}]"
-            raise IdentityError(name, f"is not representable as JSON ({exc})") from exc
-        out.append(total)
-    return tuple(out)
-
-
-def _completion_prompt_tokens(prompt: str | list[Any]) -> int:
-    """A completions prompt may be text, token ids, or a batch of either."""
-    if isinstance(prompt, str):
-        return estimate_tokens(prompt)
-    total = 0
-    for i, part in enumerate(prompt):
-        if isinstance(part, bool):
-            raise IdentityError(f"body.prompt[{i}]", "must be a string, a token id or an array")
-        if isinstance(part, int):
-            total += 1
-        elif isinstance(part, str):
-            total += estimate_tokens(part)
-        elif isinstance(part, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in part):
-                raise IdentityError(f"body.prompt[{i}]", "must be an array of token ids")
-            total += len(part)
-        else:
-            raise IdentityError(
-                f"body.prompt[{i}]",
-                f"must be a string, a token id or an array, got {_json_type(part)}",
-            )
-    return total
-
-
 # -- the body to forward ------------------------------------------------------------------
 
 
@@ -733,7 +450,7 @@ def _forward_body(body: dict) -> dict:
         if xargs is None:
             del out["vllm_xargs"]
         elif not isinstance(xargs, dict):
-            raise IdentityError("body.vllm_xargs", f"must be an object, got {_json_type(xargs)}")
+            raise IdentityError("body.vllm_xargs", f"must be an object, got {json_type(xargs)}")
         else:
             _drop_keys(out, "vllm_xargs", ("continuation_id", "agentic_context"))
     if isinstance(out.get("nvext"), dict):
@@ -760,20 +477,4 @@ def _optional_str(body: dict, key: str) -> str | None:
     value = body.get(key)
     if value is None or isinstance(value, str):
         return value
-    raise IdentityError(f"body.{key}", f"must be a string, got {_json_type(value)}")
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    raise IdentityError(f"body.{key}", f"must be a string, got {json_type(value)}")

@@ -20,7 +20,8 @@ import anyio
 import httpx
 
 from controller.serve_config import ServeConfig
-from controller.upstream import UpstreamPool, decode_json
+from controller.upstream import UpstreamPool
+from controller.worker_answers import decode_json
 from controller.workers import WorkerRegistry
 
 MODELS_TIMEOUT_S = 5.0

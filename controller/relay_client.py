@@ -18,11 +18,18 @@ connection end without an answer. So:
 - a connection found closed right before the request would have been written is dropped
   and the request goes out once more on a fresh connection: it provably was not sent.
 
-A request that may have reached the worker is never sent again (a POST is not idempotent):
-a connection that ends after the request was written is a :class:`Disconnected` error.
-
 Errors carry ``sent``: False when the request never left (refused or timed-out connect, no
 connection free in time), so the caller may place the call elsewhere.
+
+**Invariants** (cited where kept):
+
+1. A request that may have reached the worker is never sent again (a POST is not
+   idempotent): a connection that ends after the request was written is a
+   :class:`Disconnected` error (:meth:`WorkerConnections.request`).
+2. A connection goes back to the pool only when its answer was read to its end and it can
+   carry another (:meth:`WorkerConnections.release`); otherwise it is closed.
+3. ``WorkerConnections._open`` counts the pool's connections, those being made included,
+   and never exceeds ``max_connections`` (:meth:`WorkerConnections._acquire`).
 """
 
 from __future__ import annotations
@@ -361,7 +368,7 @@ class WorkerConnections:
                     conn.close()
                     continue
                 return conn, True
-            if self._open < self.limits.max_connections:
+            if self._open < self.limits.max_connections:  # invariant 3
                 return await self._connect(), False
             await self._wait_for_slot()
 
@@ -416,6 +423,7 @@ class WorkerConnections:
         self._free_slot()
 
     def release(self, conn: _Connection) -> None:
+        """The exchange on ``conn`` is over: back to the pool, or closed (invariant 2)."""
         conn.in_exchange = False
         if self._closing or not conn.reusable() or len(self._idle) >= self.limits.max_idle_connections:
             conn.close()
@@ -447,7 +455,8 @@ class WorkerConnections:
             transport = conn.transport
             if conn.closed or transport is None or transport.is_closing():
                 # Found dead before a byte of the request was written: it provably was not
-                # sent, so it may go out on another connection (once on a fresh one).
+                # sent, so it may go out on another connection (once on a fresh one;
+                # invariant 1).
                 conn.close()
                 if not reused:
                     fresh_tries += 1

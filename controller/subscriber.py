@@ -22,9 +22,7 @@ from seq 0 by replay and repaired exactly like one in the config. :meth:`KvEvent
 is the bound socket's reader; the ZMQ context is made at the first socket and destroyed by
 :meth:`KvEventSubscriber.aclose`.
 
-A message is vLLM's ``[topic, seq (8 bytes big-endian), msgpack([ts, events, rank])]``. An
-extra fourth frame, when present, is read as the publisher's *epoch*
-(:func:`publisher_epoch`, the hook for the Sluice engine plugin's per-start stamp).
+The frames, the llm-d topics and the replay socket's protocol are controller/kv_wire.py's.
 
 **Streams.** Sequence numbers count per publisher, and a data-parallel engine has one
 publisher per rank, so a stream is (worker, ``data_parallel_rank``). Its batches go to the
@@ -50,8 +48,7 @@ to ``policy.observe_kv`` under the admission lock.
 - ``seq == expected``: applied.
 - ``seq > expected`` (a gap: the network, the SUB's high-water mark or our queue dropped
   batches): the missing ``[expected, seq)`` are asked from the worker's replay socket
-  (DEALER: send ``[b"", expected]``, read ``[b"", topic, seq, payload]`` until seq −1) and
-  applied in order, then the batch itself. Replayed batches past the gap are read and
+  (controller/kv_wire.py :func:`~controller.kv_wire.replay_from`) and applied in order, then the batch itself. Replayed batches past the gap are read and
   ignored: the queue still holds them, so nothing is applied twice and a lower seq can only
   mean a restart. If the replay no longer starts at ``expected`` (its buffer moved on), has
   no answer within ``kv_replay_timeout_s``, or the worker has no ``replay``, the worker's
@@ -79,13 +76,22 @@ since a batch may have been half applied.
 
 Only this module's tasks and the fleet's add and remove touch the subscriber's state, all on
 the gateway's event loop.
+
+**Invariants** (cited where kept):
+
+1. A stream's batches reach the index in seq order, each at most once: a batch is applied
+   only at ``expected``, which then moves past it (:meth:`KvEventSubscriber._apply`).
+2. The index never holds a stream with a hole in it: a gap that replay cannot fill, unless
+   the stream is fresh (nothing of it applied yet), resets the index first
+   (:meth:`KvEventSubscriber._repair`).
+3. No batch of a worker that left the fleet is applied (``Admission.observe_kv`` checks
+   under the lock, and its stats are gone).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,11 +102,18 @@ import zmq
 import zmq.asyncio
 
 from controller.admission import Admission
+from controller.kv_wire import (
+    RankPeek,
+    ReplayError,
+    attach,
+    offset_endpoint,
+    publisher_epoch,
+    replay_from,
+    worker_from_topic,
+)
 from controller.serve_config import ServeConfig, WorkerConfig
 from scheduler.kv_events import EventBatchDecoder
 
-END_SEQ = b"\xff" * 8
-TOPIC_PREFIX = "kv@"
 RESET_REASONS = (
     "gap_beyond_replay",  # the replay buffer no longer holds the missing batches
     "no_replay",          # a gap, and the worker has no replay endpoint
@@ -116,64 +129,6 @@ BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 # A loop that ran this long before failing starts over at the shortest backoff.
 BACKOFF_RESET_AFTER_S = 30.0
-
-
-def publisher_epoch(frames: list[bytes]) -> bytes | None:
-    """The publisher's epoch, if the message carries one: the hook for the Sluice engine
-    plugin's per-start stamp (architecture.md §5.4 (d)), sent as a fourth frame. vLLM's
-    own publisher sends three frames, so its restarts show as seq going backwards."""
-    return frames[3] if len(frames) > 3 and frames[3] else None
-
-
-def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """Where a data-parallel rank's socket is, by vLLM's rule: a tcp port plus the rank
-    (port 0 stays 0), ``inproc://`` names get ``_dp<rank>``. None when unknown."""
-    if endpoint is None or rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    if endpoint.startswith("tcp://"):
-        base, sep, port = endpoint.rpartition(":")
-        if sep and port.isdigit():
-            return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
-    return None
-
-
-def worker_from_topic(topic: bytes, names: Iterable[str]) -> str | None:
-    """The worker a ``kv@<worker>@<model>`` (or ``kv@<worker>``) topic names: the longest
-    of ``names`` that fits, since names and models may both hold ``@``."""
-    try:
-        text = topic.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    if not text.startswith(TOPIC_PREFIX):
-        return None
-    rest = text[len(TOPIC_PREFIX):]
-    for name in sorted(names, key=len, reverse=True):
-        if rest == name or rest.startswith(name + "@"):
-            return name
-    return None
-
-
-def _attach(socket: zmq.Socket, endpoint: str) -> str:
-    """Bind an endpoint holding a wildcard, connect to any other; the endpoint in effect."""
-    if "*" in endpoint:
-        socket.bind(endpoint)
-        return socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    socket.connect(endpoint)
-    return endpoint
-
-
-class _Peek(msgspec.Struct, array_like=True):
-    """A batch with its events left undecoded: the reader only needs the rank."""
-
-    ts: msgspec.Raw
-    events: msgspec.Raw
-    data_parallel_rank: int | None = None
-
-
-class ReplayError(Exception):
-    """The replay socket did not answer in time, or answered something else."""
 
 
 @dataclass(slots=True)
@@ -246,7 +201,7 @@ class KvEventSubscriber:
         self._queue_size = config.kv_events_queue
         self._replay_timeout_s = config.kv_replay_timeout_s
         self._decoder = EventBatchDecoder()
-        self._peek = msgspec.msgpack.Decoder(_Peek)
+        self._peek = msgspec.msgpack.Decoder(RankPeek)
         self._sources: dict[str, KvSource] = {}
         self.stats: dict[str, KvEventStats] = {}
         self.ignored: dict[str, int] = {reason: 0 for reason in IGNORE_REASONS}
@@ -350,7 +305,7 @@ class KvEventSubscriber:
             socket.setsockopt(zmq.LINGER, 0)
             topic = source.worker.kv_topic or ""
             socket.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-            endpoint = _attach(socket, source.worker.kv_events)
+            endpoint = attach(socket, source.worker.kv_events)
             self._log.info("subscribed to KV events", worker=source.name, endpoint=endpoint,
                            topic=topic)
             while True:
@@ -476,7 +431,8 @@ class KvEventSubscriber:
                 await self._reset(stream, "no_replay", needed=needed, upto=upto)
         else:
             try:
-                async with self._replay(stream.replay, needed) as next_batch:
+                async with replay_from(self._context(), stream.replay, needed,
+                                       self._replay_timeout_s) as next_batch:
                     while (got := await next_batch()) is not None:
                         seq, payload = got
                         if seq > upto:
@@ -495,7 +451,7 @@ class KvEventSubscriber:
                     await self._reset(stream, "replay_failed", endpoint=stream.replay,
                                       needed=stream.expected, problem=problem)
         if stream.expected <= upto:  # the replay ended before the gap did
-            if not stream.fresh:
+            if not stream.fresh:  # invariant 2
                 await self._reset(stream, "gap_beyond_replay", needed=stream.expected, upto=upto)
             stream.expected = upto + 1
         stats = self.stats.get(stream.index_key)
@@ -530,11 +486,11 @@ class KvEventSubscriber:
                 self._log.warning("KV events of unknown types skipped (the rest of each batch is "
                                   "applied)", worker=stream.index_key, seq=seq,
                                   types=sorted(self._decoder.skipped))
-        # Every policy call runs under the admission lock (Admission has no public
-        # observe_kv; a batch is applied whole, between two other policy calls).
+        # Every policy call runs under the admission lock (a batch is applied whole,
+        # between two other policy calls).
         if not await self._admission.observe_kv(stream.index_key, batch):
-            return  # its worker left the fleet while the batch waited for the lock
-        stream.expected = seq + 1
+            return  # its worker left the fleet while the batch waited for the lock (invariant 3)
+        stream.expected = seq + 1  # invariant 1
         stream.fresh = False
         stats.applied += 1
         if replayed:
@@ -599,37 +555,3 @@ class KvEventSubscriber:
         # up from seq 0 by replay.
         stream = source.streams[rank] = _Stream(source.name, rank, key, replay)
         return stream
-
-    @asynccontextmanager
-    async def _replay(self, endpoint: str, start_seq: int
-                      ) -> AsyncIterator[Callable[[], Awaitable[tuple[int, bytes] | None]]]:
-        """Ask ``endpoint`` for every buffered batch from ``start_seq`` on; yields a function
-        returning the next ``(seq, payload)``, or None after the end marker."""
-        socket = self._context().socket(zmq.DEALER)  # a fresh one: no late answer to an old ask
-        timeout_ms = max(1, int(self._replay_timeout_s * 1000))
-        try:
-            socket.setsockopt(zmq.LINGER, 0)
-            try:
-                socket.connect(endpoint)
-                await socket.send_multipart((b"", start_seq.to_bytes(8, "big")), flags=zmq.NOBLOCK)
-            except zmq.ZMQError as err:
-                raise ReplayError(f"cannot ask {endpoint} for a replay: {err}") from None
-
-            async def next_batch() -> tuple[int, bytes] | None:
-                try:
-                    if not await socket.poll(timeout_ms, zmq.POLLIN):
-                        raise ReplayError(f"{endpoint} did not answer within "
-                                          f"{self._replay_timeout_s}s")
-                    frames = await socket.recv_multipart()
-                except zmq.ZMQError as err:
-                    raise ReplayError(f"replay from {endpoint} failed: {err}") from None
-                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
-                    raise ReplayError(f"{endpoint} answered {len(frames)} frames, expected "
-                                      "[b'', topic, seq, payload]")
-                if frames[2] == END_SEQ:
-                    return None
-                return int.from_bytes(frames[2], "big"), frames[3]
-
-            yield next_batch
-        finally:
-            socket.close(linger=0)

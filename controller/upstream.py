@@ -1,4 +1,4 @@
-"""Talking to the workers: pooled clients, what is forwarded, and reading usage off streams.
+"""Talking to the workers: pooled clients, and what is forwarded to them.
 
 - :class:`UpstreamPool`: per worker, the relay's keep-alive pool
   (:mod:`controller.relay_client`) and an httpx client for health, capacity and models.
@@ -14,24 +14,20 @@
   policy's engine priority on a worker started with ``--scheduling-policy priority``, and the
   encoded body with it spliced in once the call is admitted (the body is encoded before
   admission; it is not encoded again).
-- :class:`StreamTap`: watches an SSE byte stream for usage (and a Responses API id), passing
-  bytes on as they arrive; in drop mode it holds back at most one unfinished event and
-  removes exactly the usage-only chunk it asked for.
 - :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`
   (:class:`WorkerUnreachable` when the call was never sent).
+
+What comes back (usage, a Responses id, the answer) is read by controller/worker_answers.py.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import msgspec
 
-from controller.conversations import AnswerTap
 from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
 from controller.relay_client import (
     ConnectError,
@@ -42,7 +38,6 @@ from controller.relay_client import (
     WorkerConnections,
 )
 from controller.serve_config import UpstreamConfig, WorkerConfig
-from scheduler.calls import Usage
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -60,8 +55,6 @@ PRIORITY_HEADER = b"x-vllm-priority"
 # Routes whose streams carry OpenAI ``stream_options.include_usage`` chunks.
 USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ERROR_SNIPPET_BYTES = 2048
-
-_json_decode = msgspec.json.Decoder().decode
 
 
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str,
@@ -171,214 +164,6 @@ def prepare_body(route: str, body: dict[str, Any], session_id: str,
     return False
 
 
-# -- usage -----------------------------------------------------------------------------------
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-@dataclass(slots=True)
-class UsageCounts:
-    """Usage seen so far; later reports win (Anthropic's message_delta is cumulative)."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-
-    @property
-    def known(self) -> bool:
-        return self.prompt_tokens is not None or self.completion_tokens is not None
-
-    def update(self, usage: Mapping[str, Any]) -> None:
-        # OpenAI chat/completions: prompt_tokens, completion_tokens, prompt_tokens_details.
-        prompt = _int(usage.get("prompt_tokens"))
-        completion = _int(usage.get("completion_tokens"))
-        details = usage.get("prompt_tokens_details")
-        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
-        # Responses API: input_tokens (cached included), input_tokens_details.cached_tokens.
-        # Anthropic: input_tokens excludes cache reads and writes, which come separately.
-        if prompt is None and _int(usage.get("input_tokens")) is not None:
-            cache_read = _int(usage.get("cache_read_input_tokens")) or 0
-            cache_write = _int(usage.get("cache_creation_input_tokens")) or 0
-            prompt = usage["input_tokens"] + cache_read + cache_write
-            details = usage.get("input_tokens_details")
-            if isinstance(details, dict) and _int(details.get("cached_tokens")) is not None:
-                cached = details["cached_tokens"]
-            elif "cache_read_input_tokens" in usage:
-                cached = cache_read
-        if completion is None:
-            completion = _int(usage.get("output_tokens"))
-        if prompt is not None and not (prompt == 0 and self.prompt_tokens):
-            self.prompt_tokens = prompt
-        if completion is not None:
-            self.completion_tokens = completion
-        if cached is not None:
-            self.cached_tokens = cached
-
-    def to_usage(self, prompt_estimate: int) -> Usage:
-        prompt = self.prompt_tokens if self.prompt_tokens is not None else prompt_estimate
-        cached = min(self.cached_tokens or 0, prompt)
-        return Usage(prompt, self.completion_tokens or 0, cached)
-
-
-def find_usage(obj: Any) -> Mapping[str, Any] | None:
-    """The usage object of a response body or stream event, in any of the API shapes."""
-    if not isinstance(obj, dict):
-        return None
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        return usage
-    for key in ("message", "response"):  # Anthropic message_start; Responses API events
-        inner = obj.get(key)
-        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
-            return inner["usage"]
-    return None
-
-
-def find_response_id(obj: Any) -> str | None:
-    """The id of a Responses API response (a body, or a response.* stream event)."""
-    if not isinstance(obj, dict):
-        return None
-    if obj.get("object") == "response" and isinstance(obj.get("id"), str):
-        return obj["id"]
-    inner = obj.get("response")
-    if isinstance(inner, dict) and isinstance(inner.get("id"), str):
-        return inner["id"]
-    return None
-
-
-def decode_json(data: bytes) -> Any:
-    try:
-        return _json_decode(data)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return None
-
-
-# -- streams ---------------------------------------------------------------------------------
-
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
-_LINE_SPLIT = re.compile(rb"\r\n|\n|\r")
-_SCAN_LIMIT = 4 * 1024 * 1024
-_RESPONSE_EVENT_WORTH_PARSING = re.compile(rb"response\.(?:created|completed|failed|incomplete)")
-_END_EVENT_TYPES = frozenset({"message_stop", "response.completed", "response.failed",
-                              "response.incomplete"})
-
-
-def _worth_parsing(event: bytes) -> bool:
-    """Whether an event may carry usage, a response id or the end marker (plain substring
-    tests first: a regex over every token's event costs more than the rest of its relay)."""
-    if b"usage" in event or b"[DONE]" in event or b"message_stop" in event:
-        return True
-    return b"response." in event and _RESPONSE_EVENT_WORTH_PARSING.search(event) is not None
-
-
-def _event_data(event: bytes) -> bytes | None:
-    """The joined ``data:`` lines of one SSE event (without its terminator)."""
-    parts = []
-    for line in _LINE_SPLIT.split(event):
-        if line.startswith(b"data:"):
-            value = line[5:]
-            parts.append(value[1:] if value.startswith(b" ") else value)
-    return b"\n".join(parts) if parts else None
-
-
-class StreamTap:
-    """Reads usage off an SSE stream while passing it on.
-
-    Without ``drop_usage_chunk`` each chunk is returned as it came, unchanged; events are
-    scanned on the side. With it, complete events are returned as soon as they are complete
-    (an unfinished one waits for its end) and the first usage-only chunk — empty
-    ``choices`` and a ``usage`` object, the one the gateway asked for — is left out.
-    Everything else is byte-identical.
-    """
-
-    __slots__ = ("drop_usage_chunk", "dropped", "done", "usage", "response_id", "answer",
-                 "_pending")
-
-    def __init__(self, drop_usage_chunk: bool, answer: AnswerTap | None = None) -> None:
-        self.drop_usage_chunk = drop_usage_chunk
-        # Given, every event is decoded and fed to it (a call without identity, whose
-        # answer names its program: controller/conversations.py); else only the few events
-        # that may carry usage are.
-        self.answer = answer
-        self.dropped = False
-        # The stream's end marker went by: ``data: [DONE]`` (OpenAI), ``message_stop``
-        # (Anthropic), ``response.completed`` (Responses API). Usage is known by then.
-        self.done = False
-        self.usage = UsageCounts()
-        self.response_id: str | None = None
-        self._pending = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self.drop_usage_chunk and not self._pending:
-            # The usual chunk: exactly one whole event (an engine step's token).
-            match = _EVENT_END.search(chunk)
-            if match is not None and match.end() == len(chunk):
-                if self._inspect(chunk[:match.start()]) and not self.dropped:
-                    self.dropped = True
-                    return b""
-                return chunk
-        buffer = self._pending + chunk if self._pending else chunk
-        start = 0
-        if not self.drop_usage_chunk:
-            for match in _EVENT_END.finditer(buffer):
-                self._inspect(buffer[start:match.start()])
-                start = match.end()
-            # Only scanned, never sent from here: a stream without event ends must not
-            # grow the buffer without bound (its usage is then simply not seen).
-            self._pending = buffer[start:] if len(buffer) - start <= _SCAN_LIMIT else b""
-            return chunk
-        kept: list[bytes] = []
-        for match in _EVENT_END.finditer(buffer):
-            end = match.end()
-            if self._inspect(buffer[start:match.start()]) and not self.dropped:
-                self.dropped = True
-            else:
-                kept.append(buffer[start:end])
-            start = end
-        self._pending = buffer[start:]
-        if len(kept) == 1:
-            return kept[0]
-        return b"".join(kept)
-
-    def flush(self) -> bytes:
-        """What is left at the end of the stream (an event without a terminator)."""
-        rest, self._pending = self._pending, b""
-        if rest:
-            self._inspect(rest)
-        return rest if self.drop_usage_chunk else b""
-
-    def _inspect(self, event: bytes) -> bool:
-        """Scan one event; True when it is a usage-only chunk."""
-        worth = _worth_parsing(event)
-        if not worth and self.answer is None:
-            return False
-        data = _event_data(event)
-        if data is None:
-            return False
-        if data == b"[DONE]":
-            self.done = True
-            return False
-        obj = decode_json(data)
-        if self.answer is not None:
-            self.answer.feed(obj)
-            if not worth:
-                return False
-        if isinstance(obj, dict) and obj.get("type") in _END_EVENT_TYPES:
-            self.done = True
-        usage = find_usage(obj)
-        if usage is not None:
-            self.usage.update(usage)
-        if self.response_id is None:
-            self.response_id = find_response_id(obj)
-        return (
-            isinstance(obj, dict)
-            and obj.get("choices") == []
-            and isinstance(obj.get("usage"), dict)
-        )
-
-
 # -- the pool --------------------------------------------------------------------------------
 
 class UpstreamPool:
@@ -408,54 +193,57 @@ class UpstreamPool:
             idle_expiry_s=config.idle_expiry_s,
         )
         self._timeout, self._limits = timeout, limits
-        self._clients: dict[str, httpx.AsyncClient] = {}
-        self._relays: dict[str, WorkerConnections] = {}
-        self.urls: dict[str, str] = {}
-        # workers whose vLLM orders its queue by the request's priority (scheduling_policy)
-        self._by_priority: set[str] = set()
+        self._workers: dict[str, _WorkerUpstream] = {}
         for worker in workers:
             self.add(worker)
 
     def add(self, worker: WorkerConfig) -> None:
-        if worker.name in self._clients:
+        if worker.name in self._workers:
             raise ValueError(f"upstream: a worker named {worker.name!r} exists already")
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
-        self._clients[worker.name] = httpx.AsyncClient(
+        client = httpx.AsyncClient(
             base_url=worker.url, timeout=self._timeout, trust_env=False, follow_redirects=False,
             limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
         )
-        self._relays[worker.name] = WorkerConnections(worker.url, self._limits)
-        self.urls[worker.name] = worker.url
-        if worker.scheduling_policy == "priority":
-            self._by_priority.add(worker.name)
+        self._workers[worker.name] = _WorkerUpstream(
+            client, WorkerConnections(worker.url, self._limits),
+            worker.scheduling_policy == "priority")
 
     async def remove(self, name: str) -> None:
         """Close the worker's connections (it has no call in flight: it was drained)."""
-        relay, client = self._relays.pop(name), self._clients.pop(name)
-        del self.urls[name]
-        self._by_priority.discard(name)
-        await relay.aclose()
-        await client.aclose()
+        upstream = self._workers.pop(name)
+        await upstream.relay.aclose()
+        await upstream.client.aclose()
 
     def client(self, worker: str) -> httpx.AsyncClient:
-        return self._clients[worker]
+        return self._workers[worker].client
 
     def relay(self, worker: str) -> WorkerConnections:
-        return self._relays[worker]
+        return self._workers[worker].relay
 
     def takes_priority(self, worker: str) -> bool:
         """Whether ``worker``'s vLLM runs ``--scheduling-policy priority`` (its config says so)."""
-        return worker in self._by_priority
+        upstream = self._workers.get(worker)
+        return upstream is not None and upstream.takes_priority
 
     def names(self) -> list[str]:
-        return list(self._clients)
+        return list(self._workers)
 
     async def aclose(self) -> None:
-        for relay in self._relays.values():
-            await relay.aclose()
-        for client in self._clients.values():
-            await client.aclose()
+        for upstream in self._workers.values():
+            await upstream.relay.aclose()
+        for upstream in self._workers.values():
+            await upstream.client.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerUpstream:
+    """One worker's connections, and how its engine orders its queue."""
+
+    client: httpx.AsyncClient  # control calls: health, capacity, models
+    relay: WorkerConnections  # the relay path's keep-alive pool
+    takes_priority: bool  # its vLLM runs --scheduling-policy priority (scheduling_policy)
 
 
 class WorkerUnreachable(GatewayError):

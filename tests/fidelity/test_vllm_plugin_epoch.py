@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.subscriber import publisher_epoch
+from controller.kv_wire import publisher_epoch
 from scheduler.kv_events import AllBlocksCleared, EventBatchDecoder
 
 from tests.support.vllm_venv import ROOT, vllm_env, vllm_python

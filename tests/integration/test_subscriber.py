@@ -24,7 +24,7 @@ from entry.ports import free_port
 from tests.support.gateway_harness import ADMIN, ServerThread, gateway, serve_config, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.subscriber import offset_endpoint, worker_from_topic
+from controller.kv_wire import offset_endpoint, worker_from_topic
 from scheduler.kv_events import (
     EventBatch,
     EventBatchEncoder,

@@ -6,7 +6,7 @@ import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.admission import Admission
-from controller.operations import Metrics
+from controller.metrics import Metrics
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.coordinates import SessionId

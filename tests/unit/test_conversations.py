@@ -15,7 +15,7 @@ from controller.conversations import (
     answer_fingerprint,
     answer_from_body,
 )
-from controller.upstream import StreamTap
+from controller.worker_answers import StreamTap
 from scheduler.coordinates import ContinuationId, SessionId
 
 GROUP = SessionId("c-opening")
@@ -208,9 +208,9 @@ def test_a_responses_streams_answer_is_the_completed_responses_output():
 
 def test_without_an_answer_tap_only_the_usage_events_are_decoded(monkeypatch):
     decoded = []
-    import controller.upstream as upstream
-    real = upstream.decode_json
-    monkeypatch.setattr(upstream, "decode_json", lambda data: decoded.append(data) or real(data))
+    import controller.worker_answers as worker_answers
+    real = worker_answers.decode_json
+    monkeypatch.setattr(worker_answers, "decode_json", lambda data: decoded.append(data) or real(data))
     stream = sse({"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]},
                  {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, done=True)
     tap = StreamTap(False)

@@ -10,14 +10,13 @@ import pytest
 
 from controller.serve_config import ServeConfig, load_serve_config, parse_serve_config
 from controller.upstream import (
-    StreamTap,
-    UsageCounts,
     forward_headers,
     prepare_body,
     sends_engine_priority,
     strip_client_engine_keys,
     with_engine_priority,
 )
+from controller.worker_answers import StreamTap, UsageCounts
 from controller.workers import CapacityUnknown, capacity_from_metrics
 from scheduler.config import ConfigError
 

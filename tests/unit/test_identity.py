@@ -17,14 +17,15 @@ from hypothesis import strategies as st
 from starlette.datastructures import Headers
 
 import controller.identity as identity_module
+import controller.prompt as prompt_module
 import scheduler.coordinates as coordinates
 from controller.conversations import Answer, AnswerKey, answer_fingerprint
 from controller.identity import (
     Identity,
     IdentityError,
-    estimate_tokens,
     resolve_identity,
 )
+from controller.prompt import estimate_tokens
 from scheduler.calls import CallHints
 from scheduler.coordinates import SessionId, canonical, mint_chain
 
@@ -691,8 +692,9 @@ def test_missing_model_is_allowed_and_reported_as_none():
 # -- purity and cost -------------------------------------------------------------------------
 
 
-def test_identity_module_does_no_io_and_reads_no_clock():
-    tree = ast.parse(Path(identity_module.__file__).read_text())
+@pytest.mark.parametrize("module", [identity_module, prompt_module], ids=lambda m: m.__name__)
+def test_identity_module_does_no_io_and_reads_no_clock(module):
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

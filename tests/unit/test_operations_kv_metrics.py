@@ -1,11 +1,11 @@
-"""The KV index's eviction counters as Prometheus metrics (controller/operations.py)."""
+"""The KV index's eviction counters as Prometheus metrics (controller/metrics.py)."""
 
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.admission import Admission
-from controller.operations import Metrics
+from controller.metrics import Metrics
 from scheduler.kv_events import BlockRemoved, BlockStored, EventBatch
 from scheduler.policies import make_policy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from controller.upstream import StreamTap
+from controller.worker_answers import StreamTap
 
 
 def _sse(obj, event: str | None = None, end: bytes = b"\n\n") -> bytes:
