@@ -206,6 +206,7 @@ class Policy(ABC):
             program.drop_waiting(request_id)  # keeps invariant 1
             if program.never_ran:
                 return self.release(program.session_id, now, NEVER_RAN)
+            self.after_held_call(program)
             return []
         _, program = self._finish(request_id, None, now)
         if program is None:
@@ -241,6 +242,10 @@ class Policy(ABC):
     def after_call(self, program: Program, now: float) -> list[Action]:
         """Hook after a call of ``program`` finished or was aborted."""
         return []
+
+    def after_held_call(self, program: Program) -> None:
+        """Hook after a held call of ``program`` went away before it ran (its client left),
+        the program living on."""
 
     @abstractmethod
     def tick(self, now: float) -> list[Action]:

@@ -133,14 +133,8 @@ class ProgramAwarePolicy(Policy):
             return self._pause_program(program, now)
         return []
 
-    def on_abort(self, request_id: str, now: float) -> list[Action]:
-        call = self.calls.get(request_id)
-        actions = super().on_abort(request_id, now)
-        if call is not None and call.worker is None:
-            program = self.programs.get(call.session_id)
-            if program is not None:
-                self._resume.held_call_gone(program)
-        return actions
+    def after_held_call(self, program: Program) -> None:
+        self._resume.held_call_gone(program)
 
     def release(self, session_id, now, reason):  # type: ignore[override]
         actions = super().release(session_id, now, reason)
