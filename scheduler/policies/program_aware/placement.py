@@ -183,7 +183,7 @@ class Placement:
         counted = program.paused and program.home_worker == worker  # among its paused tokens
         newcomer = 0 if counted else int(demand)
         limit = self.capacity.threshold(worker, newcomer) - self.config.resume_hysteresis
-        return self.fits(worker, demand, limit)
+        return self.fits(worker, demand, limit)  # keeps the policy's invariant 2
 
     def fits(self, worker: str, demand: float, limit: float) -> bool:
         load = self._ledger.worker(worker)

@@ -14,6 +14,16 @@ out what they decide, so no room calls back into another or into the policy:
 Invariant 1: a program is parked (:class:`scheduler.policies.parking.ParkingLot`) exactly
 while it is PAUSED, or PENDING after a call of it arrived with no room; every placement or
 resume takes it out of the lot, and a release forgets it in every room.
+
+Invariant 2: a resume that is not forced leaves its worker at ``U ≤`` its threshold less
+``resume_hysteresis``.
+
+Invariant 3: after a tick, while some worker takes programs, no call has been held
+``max_wait_s`` (or its client's deadline) and no program has been parked
+``force_resume_after_s``.
+
+Invariant 4: nothing in flight is ever aborted: a program pauses only between calls, and one
+marked while reasoning pauses when its last call ends.
 """
 
 from __future__ import annotations
@@ -129,7 +139,7 @@ class ProgramAwarePolicy(Policy):
         if program.in_flight:
             return []
         self._dormancy.watch(program)
-        if program.marked and program.active:
+        if program.marked and program.active:  # keeps invariant 4
             return self._pause_program(program, now)
         return []
 
@@ -167,7 +177,7 @@ class ProgramAwarePolicy(Policy):
                 if self._keep.prefetches_predicted:
                     self._dormancy.predict_end(program, now)
         actions += [self._keep.tool_call_ends(program) for program in self._dormancy.predicted_ends(now)]
-        for program, worker in self._resume.overdue(now):
+        for program, worker in self._resume.overdue(now):  # keeps invariant 3
             actions += self._resume_program(program, worker, now, forced=True)
             self.stats.wait_limit_resumes += 1
         actions += self._resume_pass(now)
@@ -178,12 +188,12 @@ class ProgramAwarePolicy(Policy):
 
     def _resume_pass(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for program, worker in self._resume.forced(now):
+        for program, worker in self._resume.forced(now):  # keeps invariant 3
             actions += self._resume_program(program, worker, now, forced=True)
         reserved = self._resume.reservation()
         if reserved is not None:
             actions += self._resume_program(*reserved[:2], now, forced=reserved[2])
-        for program, worker in self._resume.in_order():
+        for program, worker in self._resume.in_order():  # each keeps invariant 2
             actions += self._resume_program(program, worker, now, forced=False)
         return actions
 
