@@ -42,6 +42,10 @@ class Dormancy:
         self._predicted_ends: DeadlineHeap[tuple[float, str, float]] = DeadlineHeap(
             self._in_same_tool_call, lambda: len(programs))
 
+    def reconfigure(self, config: ProgramAwareConfig) -> None:
+        """New settings; the window of tool times keeps its size."""
+        self.config = config
+
     def observe_arrival(self, program: Program, now: float) -> None:
         """A call of ``program`` arrived: the tool call before it, if any, is a sample."""
         if self.config.dormant_quantile is not None and program.acting_since is not None:

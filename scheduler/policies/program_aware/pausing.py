@@ -33,6 +33,9 @@ class Pausing:
         # workers with pause_target ≤ U < their threshold, as of the last tick
         self.soft_band: frozenset[str] = frozenset()
 
+    def reconfigure(self, config: ProgramAwareConfig, capacity: PoolCapacity) -> None:
+        self.config, self.capacity = config, capacity
+
     def pass_over_workers(self) -> Iterator[Program | Mark]:
         """The pause pass (invariant 1), in order: a program to pause, which the caller
         pauses before it asks for the next (the projection reads the ledger afresh), or a

@@ -65,6 +65,9 @@ class Placement:
         self._groups = groups
         self._calls = calls
 
+    def reconfigure(self, config: ProgramAwareConfig, capacity: PoolCapacity) -> None:
+        self.config, self.capacity = config, capacity
+
     # -- new programs ------------------------------------------------------------------
 
     def new_program_worker(self, program: Program, call: Call, soft_band: frozenset[str]) -> str | None:

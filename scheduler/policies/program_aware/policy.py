@@ -63,10 +63,10 @@ class ProgramAwarePolicy(Policy):
         super().reconfigure(config)
         # a fresh strategy: what it counts is recounted before it is next read
         self._capacity = capacity_for(config, self.ledger, self.index)
-        self._placement.config, self._placement.capacity = config, self._capacity
-        self._pausing.config, self._pausing.capacity = config, self._capacity
+        self._placement.reconfigure(config, self._capacity)
+        self._pausing.reconfigure(config, self._capacity)
         self._resume.reconfigure(config)
-        self._dormancy.config = config
+        self._dormancy.reconfigure(config)
         self._keep.reconfigure(config.retention)
 
     def forget_worker(self, name: str) -> None:
