@@ -2,7 +2,8 @@
 order, and the moves (pause, resume) that touch several rooms at once.
 
 Each room decides one thing and owns its state; this class asks them in turn and carries
-out what they decide, so no room calls back into another or into the policy:
+out what they decide. Rooms read one another one way (resume reads placement, which reads
+capacity) and none calls back into the policy:
 
 - :mod:`.capacity`: a worker's threshold (the GPU pool, or a host tier's overcommit);
 - :mod:`.placement`: new programs' workers, resume targets, prefix credit, reservations;
@@ -11,15 +12,16 @@ out what they decide, so no room calls back into another or into the policy:
 - :mod:`.dormancy`: tool-time cutoff, dormant programs, predicted tool-call ends;
 - :mod:`.keep`: the retention directives (Retain, Demote, Offload, Prefetch).
 
-Invariant 1: a program is parked (:class:`scheduler.policies.parking.ParkingLot`) exactly
-while it is PAUSED, or PENDING after a call of it arrived with no room; every placement or
-resume takes it out of the lot, and a release forgets it in every room.
+Invariant 1: between two calls into the policy, a program is parked
+(:class:`scheduler.policies.parking.ParkingLot`) exactly while it is not ACTIVE: a pause, a
+failed worker or an arrival with no room parks it, every placement or resume takes it out
+of the lot, and a release forgets it in every room.
 
 Invariant 2: a resume that is not forced leaves its worker at ``U ≤`` its threshold less
 ``resume_hysteresis``.
 
 Invariant 3: after a tick, while some worker takes programs, no call has been held
-``max_wait_s`` (or its client's deadline) and no program has been parked
+``max_wait_s`` (or its client's deadline) and no program has been PAUSED
 ``force_resume_after_s``.
 
 Invariant 4: nothing in flight is ever aborted: a program pauses only between calls, and one
@@ -169,6 +171,17 @@ class ProgramAwarePolicy(Policy):
         for session in self._resume.idle_sessions(now):
             actions += self.release(session, now, "idle")
         self._capacity.recount(self.programs.values())
+        actions += self._mark_dormant(now)
+        actions += [self._keep.tool_call_ends(program) for program in self._dormancy.predicted_ends(now)]
+        actions += self._overdue(now)
+        actions += self._resume_pass(now)
+        actions += self._pause(now)
+        self._pausing.update_soft_band()
+        actions += self._keep.retain(now)
+        return actions
+
+    def _mark_dormant(self, now: float) -> list[Action]:
+        actions: list[Action] = []
         for program in self._dormancy.turning_dormant(now):
             self.stats.dormant += 1
             offload = self._keep.turned_dormant(program)
@@ -176,14 +189,13 @@ class ProgramAwarePolicy(Policy):
                 actions.append(offload)
                 if self._keep.prefetches_predicted:
                     self._dormancy.predict_end(program, now)
-        actions += [self._keep.tool_call_ends(program) for program in self._dormancy.predicted_ends(now)]
+        return actions
+
+    def _overdue(self, now: float) -> list[Action]:
+        actions: list[Action] = []
         for program, worker in self._resume.overdue(now):  # keeps invariant 3
             actions += self._resume_program(program, worker, now, forced=True)
             self.stats.wait_limit_resumes += 1
-        actions += self._resume_pass(now)
-        actions += self._pause(now)
-        self._pausing.update_soft_band()
-        actions += self._keep.retain(now)
         return actions
 
     def _resume_pass(self, now: float) -> list[Action]:
@@ -192,7 +204,8 @@ class ProgramAwarePolicy(Policy):
             actions += self._resume_program(program, worker, now, forced=True)
         reserved = self._resume.reservation()
         if reserved is not None:
-            actions += self._resume_program(*reserved[:2], now, forced=reserved[2])
+            program, worker, forced = reserved
+            actions += self._resume_program(program, worker, now, forced)
         for program, worker in self._resume.in_order():  # each keeps invariant 2
             actions += self._resume_program(program, worker, now, forced=False)
         return actions
