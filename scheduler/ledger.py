@@ -2,15 +2,27 @@
 
 ``U_w = (Σ_{p active on w} weight(p)·demand(p) − shared_w + buffer·n_w) / capacity_w``
 
-``weight(p)`` is 1 while REASONING, ``acting_token_weight`` while ACTING, and 0 while a policy
-has marked the program dormant (ACTING in what looks like a long tool call: ``dormant_token_weight``); ``demand(p)`` is
-the program's context, or what its in-flight calls may grow to. ``shared_w`` counts the
-prefix tokens the active programs on ``w`` share: the larger of what the KV index shows
-(when the worker's events flow) and what the programs' continuation chains show (a trie
-of common ancestors).
+``weight(p)`` is 1 while REASONING, ``acting_token_weight`` while ACTING, and
+``dormant_token_weight`` (0 by default) once a policy has marked the ACTING program dormant
+(in what looks like a long tool call); ``demand(p)`` is the program's context, or what its
+in-flight calls may grow to. ``shared_w`` counts the prefix tokens the active programs on
+``w`` share: the larger of what the KV index shows (when the worker's events flow) and what
+the programs' continuation chains show (a trie of common ancestors).
 
 Everything is kept incrementally — a program's contribution is recomputed only when it
-changes — so a tick over thousands of programs does not re-sum them.
+changes — so a tick over thousands of programs does not re-sum them. What that keeps, once
+:meth:`Ledger.refresh` has seen a program's latest change:
+
+Invariant 1: a program is counted exactly while it is ACTIVE with a home worker, on that
+worker: in ``_counted`` and its worker's ``programs``, its ``weight·demand`` (as of its
+latest refresh: new weights apply as programs next change) in the worker's
+``weighted_demand``.
+
+Invariant 2: a worker's ``ancestry_shared`` is ``Σ tokens·(count − 1)`` over the chain nodes
+of its counted programs that are not dormant (a dormant program shares nothing).
+
+Invariant 3: ``_dormant`` holds only ACTIVE programs in the tool call they were found
+dormant in: a program leaves it when it reasons again or stops being ACTIVE.
 """
 
 from __future__ import annotations
@@ -81,7 +93,8 @@ class Ledger:
         self._index = index
         self._workers: dict[str, WorkerLoad] = {}
         self._counted: dict[str, _Counted] = {}
-        # ACTING programs counted at weight 0 (see set_dormant); cleared when they reason
+        # ACTING programs counted at dormant_token_weight (see set_dormant); cleared when
+        # they reason
         self._dormant: set[str] = set()
 
     def reconfigure(self, weights: TokenWeights) -> None:
@@ -158,10 +171,10 @@ class Ledger:
         session = program.session_id
         old = self._counted.get(session)
         if program.phase is Phase.REASONING or not program.active:
-            self._dormant.discard(session)
+            self._dormant.discard(session)  # keeps invariant 3
         if not program.active or program.home_worker is None:
             if old is not None:
-                self._uncount(session, old)
+                self._uncount(session, old)  # keeps invariant 1
             return
         demand = program.demand_tokens()
         weighted = self.weight(program) * demand
@@ -171,9 +184,9 @@ class Ledger:
         chain = _chain_segments(program) if sharing else ()
         if old is not None and old.worker == program.home_worker:
             load = self._workers[old.worker]
-            load.weighted_demand += weighted - old.weighted_demand
+            load.weighted_demand += weighted - old.weighted_demand  # keeps invariant 1
             load.programs[session] = demand
-            if chain != old.chain:
+            if chain != old.chain:  # keeps invariant 2
                 self._ancestry(load, old.chain, -1)
                 self._ancestry(load, chain, +1)
             self._index.worker(load.name).set_counted(session, sharing)
@@ -189,12 +202,14 @@ class Ledger:
         self._counted[session] = _Counted(load.name, weighted, demand, chain)
 
     def forget(self, session: str) -> None:
-        self._dormant.discard(session)
+        """The program was released."""
+        self._dormant.discard(session)  # keeps invariant 3
         old = self._counted.get(session)
         if old is not None:
             self._uncount(session, old)
 
     def _uncount(self, session: str, old: _Counted) -> None:
+        """Take a program out of its worker's sums (invariants 1 and 2)."""
         load = self._workers[old.worker]
         del load.programs[session]
         load.weighted_demand -= old.weighted_demand

@@ -7,7 +7,20 @@ PENDING is the one state v1's two-valued lifecycle leaves implicit: a new progra
 the policy holds has no home worker and nothing resident yet, so it is neither.
 
 Every transition is a method that checks the current state; an illegal one raises
-:class:`IllegalTransition` because it means a bug in a policy or a shell.
+:class:`IllegalTransition` because it means a bug in a policy or a shell. What the checks
+keep, cited where they are kept:
+
+Invariant 1: ``phase`` is REASONING exactly while ``in_flight`` is not empty, and
+``acting_since`` is set exactly while it is ACTING after a call ended.
+
+Invariant 2: an ACTIVE program has a home worker and a PENDING one has none (a PAUSED one
+keeps its home unless that worker failed).
+
+Invariant 3: calls start only while ACTIVE; a call is held (``waiting``) only while PENDING
+or PAUSED, and the held calls are handed over only once ACTIVE again.
+
+Invariant 4: a program is marked only while ACTIVE+REASONING, and a pause (ACTIVE+ACTING
+only: nothing in flight is ever aborted) clears the mark.
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.calls import CallRequest, Usage
-from scheduler.coordinates import ContinuationChain, SessionId
+from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 
 
 class Phase(enum.Enum):
@@ -81,6 +94,12 @@ class Program:
     def pending(self) -> bool:
         return self.lifecycle is Lifecycle.PENDING
 
+    @property
+    def chain_head(self) -> ContinuationId | None:
+        """The continuation id of its latest prompt: what a retention directive names, so
+        the engine keeps that prefix (None for a program whose calls carry no chain)."""
+        return self.chain.head if self.chain is not None else None
+
     def refine_prompt(self, request: CallRequest) -> int:
         """The prompt of a call that carries on from this program's last answered call: that
         call's exact context (its prompt and its answer, as the engine counted them) plus the
@@ -124,12 +143,12 @@ class Program:
         if self.lifecycle is not Lifecycle.PENDING:
             raise IllegalTransition(f"{self.session_id}: place() needs PENDING, is {self.lifecycle.name}")
         self.lifecycle = Lifecycle.ACTIVE
-        self.home_worker = worker
+        self.home_worker = worker  # keeps invariant 2
         self.last_activity = now
 
     def begin_call(self, request: CallRequest, reserve_tokens: int, now: float) -> None:
         """A call is dispatched: the program is REASONING while any call is in flight."""
-        if self.lifecycle is not Lifecycle.ACTIVE:
+        if self.lifecycle is not Lifecycle.ACTIVE:  # keeps invariant 3
             raise IllegalTransition(
                 f"{self.session_id}: a call can only start while ACTIVE, is {self.lifecycle.name}"
             )
@@ -137,7 +156,7 @@ class Program:
             raise IllegalTransition(f"{self.session_id}: call {request.request_id} already in flight")
         self.in_flight[request.request_id] = request.prompt_tokens + reserve_tokens
         self._in_flight_chains[request.request_id] = request.chain
-        self.phase = Phase.REASONING
+        self.phase = Phase.REASONING  # keeps invariant 1
         self.acting_since = None
         self.last_activity = now
         if request.chain is not None:
@@ -155,13 +174,13 @@ class Program:
             self.context_chain = chain
             self.steps += 1
         self.last_activity = now
-        if not self.in_flight:
+        if not self.in_flight:  # keeps invariant 1
             self.phase = Phase.ACTING
             self.acting_since = now
 
     def mark(self) -> None:
         """Ask for a pause at the next tool boundary (only while REASONING and ACTIVE)."""
-        if self.lifecycle is not Lifecycle.ACTIVE or self.phase is not Phase.REASONING:
+        if self.lifecycle is not Lifecycle.ACTIVE or self.phase is not Phase.REASONING:  # invariant 4
             raise IllegalTransition(
                 f"{self.session_id}: mark() needs ACTIVE+REASONING, is "
                 f"{self.lifecycle.name}+{self.phase.name}"
@@ -178,14 +197,14 @@ class Program:
                 f"{self.lifecycle.name}+{self.phase.name}"
             )
         self.lifecycle = Lifecycle.PAUSED
-        self.marked = False
+        self.marked = False  # keeps invariant 4
 
     def resume(self, worker: str, now: float) -> None:
         """PAUSED or PENDING → ACTIVE on ``worker`` (which becomes its home)."""
         if self.lifecycle is Lifecycle.ACTIVE:
             raise IllegalTransition(f"{self.session_id}: resume() on an ACTIVE program")
         self.lifecycle = Lifecycle.ACTIVE
-        self.home_worker = worker
+        self.home_worker = worker  # keeps invariant 2
         self.last_activity = now
 
     def move_home(self, worker: str) -> None:
@@ -200,7 +219,7 @@ class Program:
         on the failed worker run out; their demand comes along."""
         self.home_worker = None
         if self.lifecycle is Lifecycle.ACTIVE:
-            self.lifecycle = Lifecycle.PENDING
+            self.lifecycle = Lifecycle.PENDING  # keeps invariant 2
 
     def note_call(self, request: CallRequest) -> None:
         """A call of this program arrived: keep what it says about the program (its group the
@@ -214,7 +233,7 @@ class Program:
     def hold(self, request_id: str, now: float) -> None:
         """A call arrived that may not run yet (program PENDING or PAUSED)."""
         if self.lifecycle is Lifecycle.ACTIVE:
-            raise IllegalTransition(f"{self.session_id}: hold() on an ACTIVE program")
+            raise IllegalTransition(f"{self.session_id}: hold() on an ACTIVE program")  # invariant 3
         if request_id in self.waiting:
             raise IllegalTransition(f"{self.session_id}: call {request_id} already waiting")
         self.waiting.append(request_id)
@@ -223,7 +242,8 @@ class Program:
     def take_waiting(self) -> list[str]:
         """Hand over every held call (on resume); the program must be ACTIVE by then."""
         if self.lifecycle is not Lifecycle.ACTIVE:
-            raise IllegalTransition(f"{self.session_id}: waiting calls released while {self.lifecycle.name}")
+            raise IllegalTransition(  # keeps invariant 3
+                f"{self.session_id}: waiting calls released while {self.lifecycle.name}")
         taken, self.waiting = self.waiting, []
         return taken
 

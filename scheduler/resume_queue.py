@@ -15,15 +15,21 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Iterator
 
+from scheduler.deadline_heap import HEAP_SLACK
+
 WAITING, NEW, IDLE = 0, 1, 2
-# The lazy heaps may run this far past twice the entries they index before they are rebuilt.
-HEAP_SLACK = 16
 
 
 class ResumeQueue:
-    """Invariants: ``_order`` is sorted and holds exactly one key per entry of ``_keys``; the
-    lazy heaps hold at most ``2·len + HEAP_SLACK`` entries (``2·with_calls + HEAP_SLACK`` for
-    the largest-waiting one), stale ones dropped when they would hold more."""
+    """Invariant 1: ``_order`` is sorted and holds exactly one key per entry of ``_keys``,
+    and ``_demand`` one demand per entry.
+
+    Invariant 2: ``with_calls`` counts the entries whose group is not IDLE.
+
+    Invariant 3: the lazy heaps hold at most ``2·len + HEAP_SLACK`` entries
+    (``2·with_calls + HEAP_SLACK`` for the largest-waiting one), stale ones dropped when they
+    would hold more; every live entry is in them.
+    """
 
     def __init__(self, halflife_s: float) -> None:
         if halflife_s <= 0:
@@ -56,22 +62,22 @@ class ResumeQueue:
                session)
         self._keys[session] = key
         self._demand[session] = demand
-        insort(self._order, key)
+        insort(self._order, key)  # keeps invariant 1
         heapq.heappush(self._smallest, (demand, session))
         if group != IDLE:
-            self._with_calls += 1
+            self._with_calls += 1  # keeps invariant 2
             heapq.heappush(self._largest_waiting, (-demand, session))
-        self._trim()
+        self._trim()  # keeps invariant 3
 
     def discard(self, session: str) -> None:
         key = self._keys.pop(session, None)
         if key is None:
             return
         del self._demand[session]
-        del self._order[bisect_left(self._order, key)]
+        del self._order[bisect_left(self._order, key)]  # keeps invariant 1
         if key[0] != IDLE:
-            self._with_calls -= 1
-        self._trim()
+            self._with_calls -= 1  # keeps invariant 2
+        self._trim()  # keeps invariant 3
 
     def _trim(self) -> None:
         """Rebuild a lazy heap that outgrew the entries it indexes (O(n) once per ~n changes)."""

@@ -1,12 +1,15 @@
 """Recent tool-call durations, observed by the core, and their quantiles.
 
 A tool call's duration is what the core sees between a program's response (its last call in
-flight ended) and its next request. The policy reads a high quantile of the recent ones as
-"a program still in its tool call after this long is in one of the long ones" (a test run,
-not a file view), whose KV can go first. A sliding window, so the estimate follows the
-traffic; no clock, the shells' ``now`` only.
+flight ended) and its next request. program_aware reads a quantile of the recent ones
+(``dormant_quantile``) as "a program still in its tool call after this long is in one of
+the long ones" (a test run, not a file view): it stops counting in ``U``; with a host tier
+it reads :meth:`ToolTimes.median_beyond` as when such a call will end. continuum reads one
+as how long to pin a program's KV. A sliding window, so the estimate follows the traffic; no
+clock, the shells' ``now`` only.
 
-Invariant: ``_sorted`` holds exactly the values of ``_recent``, in ascending order.
+Invariant 1: ``_sorted`` holds exactly the values of ``_recent``, in ascending order, and at
+most ``window`` of them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class ToolTimes:
         insort(self._sorted, seconds)
         if len(self._recent) > self._window:
             oldest = self._recent.popleft()
-            del self._sorted[bisect_left(self._sorted, oldest)]
+            del self._sorted[bisect_left(self._sorted, oldest)]  # keeps invariant 1
 
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile (nearest rank) of the window; None until ``min_samples`` are in."""

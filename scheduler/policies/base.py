@@ -5,9 +5,16 @@ A shell drives a policy with observations and ``now``:
 ``tick`` → actions (including :class:`Admit` for calls held earlier); ``observe_kv`` feeds the
 KV index. The shell carries out what comes back and never decides anything itself.
 
-Subclasses choose where a call goes (:meth:`Policy.place_new`) and may hold programs; the
-base keeps the program table, the calls in flight and held, the ledger and the index, so
+Subclasses choose where a call goes (:meth:`Policy.decide_arrival`) and may hold programs;
+the base keeps the program table, the calls in flight and held, the ledger and the index, so
 every policy is measured on the same state.
+
+Invariant 1: ``calls`` holds every call from its arrival until it completes or is aborted
+(a held one also until its program is released); a call's ``worker`` is None exactly while
+it is held, and then its request id is in its program's ``waiting``.
+
+Invariant 2: ``groups`` maps each group id to its live programs only, and holds no empty
+group.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler.actions import Action, Admit, Decision, Hold, Release
@@ -26,7 +34,6 @@ from scheduler.kv_index import KVIndex
 from scheduler.ledger import FixedTokenWeights, Ledger, TokenWeights
 from scheduler.programs import Program
 from scheduler.snapshot import PolicySnapshot, ProgramView, WorkerView
-
 
 # The release reason of a program whose every call was refused, failed or abandoned.
 NEVER_RAN = "no call completed"
@@ -57,7 +64,8 @@ class PolicyStats:
     marks: int = 0
     releases: int = 0
     # program_aware v2: resumes forced by max_wait_s (also counted in forced_resumes), and
-    # programs found dormant (in a long tool call: KV demoted, not counted in U)
+    # programs found dormant (in a long tool call: not counted in U, their KV retained, or
+    # offloaded with a host tier's offload_dormant)
     wait_limit_resumes: int = 0
     dormant: int = 0
 
@@ -170,7 +178,7 @@ class Policy(ABC):
         if isinstance(decision, Admit):
             self._dispatch(program, call, decision.worker, now)
         else:
-            program.hold(request.request_id, now)
+            program.hold(request.request_id, now)  # keeps invariant 1
             self.stats.held += 1
         return decision
 
@@ -195,9 +203,10 @@ class Policy(ABC):
         if call.worker is None:
             del self.calls[request_id]
             program = self.programs[call.session_id]
-            program.drop_waiting(request_id)
+            program.drop_waiting(request_id)  # keeps invariant 1
             if program.never_ran:
                 return self.release(program.session_id, now, NEVER_RAN)
+            self.after_held_call(program)
             return []
         _, program = self._finish(request_id, None, now)
         if program is None:
@@ -217,9 +226,9 @@ class Policy(ABC):
             if members is not None:
                 members.discard(session_id)
                 if not members:
-                    del self.groups[program.group_id]
+                    del self.groups[program.group_id]  # keeps invariant 2
         for request_id in program.waiting:
-            self.calls.pop(request_id, None)
+            self.calls.pop(request_id, None)  # keeps invariant 1
         self.ledger.forget(session_id)
         self.stats.releases += 1
         return [Release(session_id, program.home_worker, reason)]
@@ -234,6 +243,10 @@ class Policy(ABC):
         """Hook after a call of ``program`` finished or was aborted."""
         return []
 
+    def after_held_call(self, program: Program) -> None:
+        """Hook after a held call of ``program`` went away before it ran (its client left),
+        the program living on."""
+
     @abstractmethod
     def tick(self, now: float) -> list[Action]:
         """Periodic pass; also run by the shells after each completion."""
@@ -245,7 +258,7 @@ class Policy(ABC):
             program.place(worker, now)
         elif program.home_worker != worker:
             program.move_home(worker)
-        call.worker = worker
+        call.worker = worker  # keeps invariant 1
         program.begin_call(call.request, call.request.growth_reserve(self.config.growth_reserve_tokens), now)
         self.ledger.refresh(program)
         self.stats.admitted += 1
@@ -278,16 +291,8 @@ class Policy(ABC):
         return actions
 
     def resident_prefix(self, worker: str, call: Call) -> int:
-        """Tokens of the call's prompt resident on ``worker`` by the best evidence at hand:
-        the engine's block hashes, else continuation labels, else the session's own blocks."""
-        request = call.request
-        kv = self.index.worker(worker)
-        resident = kv.session_tokens.get(request.session_id, 0)
-        if request.block_hashes:
-            resident = max(resident, kv.prefix_tokens(request.block_hashes))
-        elif request.chain is not None:
-            resident = max(resident, kv.continuation_tokens(reversed(request.chain.ids)))
-        return min(resident, request.prompt_tokens)
+        """Tokens of the call's prompt resident on ``worker`` (:func:`resident_prefix`)."""
+        return resident_prefix(self.index, worker, call)
 
     def adaptive_settings(self) -> dict[str, float]:
         """Values the policy learns online from what it observes (name → current value), for
@@ -299,11 +304,7 @@ class Policy(ABC):
 
     def calls_in_flight(self) -> dict[str, int]:
         """Worker -> calls admitted there and not yet finished (workers with none left out)."""
-        in_flight: dict[str, int] = {}
-        for call in self.calls.values():
-            if call.worker is not None:
-                in_flight[call.worker] = in_flight.get(call.worker, 0) + 1
-        return in_flight
+        return calls_per_worker(self.calls.values())
 
     def snapshot(self, with_programs: bool = True) -> PolicySnapshot:
         """A frozen picture of the policy for metrics and admin views (scheduler/snapshot.py)."""
@@ -349,5 +350,28 @@ def hold(call: Call, reason: str) -> Hold:
     return Hold(call.request.request_id, call.session_id, reason)
 
 
-def admit(call: Call, worker: str, boost_s: float = 0.0, resumed: bool = False) -> Admit:
-    return Admit(call.request.request_id, call.session_id, worker, call.arrived_at - boost_s, resumed)
+def admit(call: Call, worker: str) -> Admit:
+    """Admit ``call`` to ``worker`` at its place by arrival in the engine's queue."""
+    return Admit(call.request.request_id, call.session_id, worker, call.arrived_at)
+
+
+def calls_per_worker(calls: Iterable[Call]) -> dict[str, int]:
+    """Worker -> how many of ``calls`` are admitted there (workers with none left out)."""
+    in_flight: dict[str, int] = {}
+    for call in calls:
+        if call.worker is not None:
+            in_flight[call.worker] = in_flight.get(call.worker, 0) + 1
+    return in_flight
+
+
+def resident_prefix(index: KVIndex, worker: str, call: Call) -> int:
+    """Tokens of the call's prompt resident on ``worker`` by the best evidence at hand:
+    the engine's block hashes, else continuation labels, else the session's own blocks."""
+    request = call.request
+    kv = index.worker(worker)
+    resident = kv.session_tokens.get(request.session_id, 0)
+    if request.block_hashes:
+        resident = max(resident, kv.prefix_tokens(request.block_hashes))
+    elif request.chain is not None:
+        resident = max(resident, kv.continuation_tokens(reversed(request.chain.ids)))
+    return min(resident, request.prompt_tokens)

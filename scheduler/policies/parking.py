@@ -1,71 +1,28 @@
-"""Parts the pausing policies (program_aware, thunderagent) are both built from.
+"""The parking lot the pausing policies (program_aware, thunderagent) are both built from.
 
-- :class:`DeadlineHeap`: a heap of deadlines that may go stale, which cleans itself so it
-  never outgrows what its owner still tracks.
 - :class:`ParkingLot`: the programs that are not running and wait to be resumed or placed,
-  each with when it was parked, and (optionally) when it must be forced back.
-- :class:`Parking`: the moves between running and parked that both policies make the same
-  way (pause, resume, where a forced resume goes, idle release, the demand a parked program
-  resumes with), on a policy's program table and ledger.
+  each with when it was parked and (optionally) when it must be forced back; and the two
+  moves across its edge, pausing a running program into it and placing or resuming one out
+  of it, made alike by both policies.
+- :class:`IdleDeadlines`: when a program with nothing to run may be released as idle.
+- :class:`Parking`: thunderagent's composition of the two on its program table and ledger,
+  handed how it admits held calls. (program_aware composes them itself, in
+  ``scheduler/policies/program_aware/resume.py``.)
 
-Each policy composes these and keeps its own rules (when to pause, whom to resume where).
+Each policy keeps its own rules (when to pause, whom to resume where).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
 
 from scheduler.actions import Action, Resume
+from scheduler.coordinates import SessionId
+from scheduler.deadline_heap import DeadlineHeap
+from scheduler.ledger import Ledger
+from scheduler.policies.base import Call, PolicyStats
 from scheduler.programs import Program
-
-Entry = TypeVar("Entry", bound=tuple)
-
-# How far a deadline heap may run past twice what its owner still tracks before it drops
-# its stale entries (a fixed margin keeps a heap of a few entries from compacting on every push).
-HEAP_SLACK = 16
-
-
-class DeadlineHeap(Generic[Entry]):
-    """A min-heap of ``(deadline, ...)`` entries, validated lazily: an entry can go stale
-    (its program resumed, released, reasoning again), and the owner checks each one it pops.
-
-    ``wanted(entry)`` says whether an entry can still matter; ``tracked()`` how many things
-    the owner tracks that can each want an entry (its programs, its held calls).
-
-    Invariant (after every :meth:`push`, :meth:`pop_due` and :meth:`trim`): the heap holds
-    at most ``2·tracked() + HEAP_SLACK`` entries. Stale entries are dropped when it would
-    hold more, which costs O(n) once per ~n pushes.
-    """
-
-    def __init__(self, wanted: Callable[[Entry], bool], tracked: Callable[[], int]) -> None:
-        self._heap: list[Entry] = []
-        self._wanted = wanted
-        self._tracked = tracked
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def push(self, entry: Entry) -> None:
-        heapq.heappush(self._heap, entry)
-        self.trim()
-
-    def pop_due(self, now: float) -> Iterator[Entry]:
-        """Pop every entry whose deadline is ``≤ now``, earliest first (stale ones too: the
-        owner checks them). Entries pushed meanwhile that are due are popped as well."""
-        # self._heap is read afresh each time: the owner may trim it between two entries
-        while self._heap and self._heap[0][0] <= now:
-            yield heapq.heappop(self._heap)
-        self.trim()
-
-    def trim(self) -> None:
-        """Drop stale entries if the heap has outgrown what its owner tracks."""
-        if len(self._heap) > 2 * self._tracked() + HEAP_SLACK:
-            # A set: an entry pushed twice (the same deadline twice in one instant) counts once.
-            self._heap = [entry for entry in set(self._heap) if self._wanted(entry)]
-            heapq.heapify(self._heap)
 
 
 class ParkingLot:
@@ -74,8 +31,9 @@ class ParkingLot:
     from there), oldest first.
 
     With ``force_after_s``, it also keeps when each parked program is due for a forced resume
-    (:meth:`due`). Invariant: every parked program has exactly one live deadline
-    ``(since + force_after_s, session, since)``, and the heap's other entries are stale.
+    (:meth:`due`). Invariant 1: every parked program has exactly one live deadline
+    ``(since + force_after_s, session, since)`` (``force_after_s`` as when it was parked), and
+    the heap's other entries are stale.
     """
 
     def __init__(self, force_after_s: float | None) -> None:
@@ -109,7 +67,7 @@ class ParkingLot:
             return
         self._since[session] = now
         if self._deadlines is not None and self._force_after_s is not None:
-            self._deadlines.push((now + self._force_after_s, session, now))
+            self._deadlines.push((now + self._force_after_s, session, now))  # keeps invariant 1
 
     def unpark(self, session: str) -> None:
         self._since.pop(session, None)
@@ -127,115 +85,66 @@ class ParkingLot:
                 yield entry  # else resumed (and maybe parked again) since
 
     def retry(self, entry: tuple[float, str, float]) -> None:
-        assert self._deadlines is not None
+        if self._deadlines is None:
+            raise RuntimeError("a parking lot without force-resume deadlines has none to retry")
         self._deadlines.push(entry)
 
+    # -- the moves across the lot's edge ---------------------------------------------------
 
-class Parking:
-    """The running ↔ parked moves of a pausing policy, on its program table and ledger.
-
-    The owner passes what it counts by (``programs``, ``calls``, ``ledger``, ``stats``) and
-    how it admits held calls (``admit_waiting``); this class keeps the parking lot and the
-    idle deadlines. Invariant: a parked session names a program of the table that is not
-    ACTIVE (the owner unparks a program whenever it places or resumes it, and on release).
-    """
-
-    def __init__(self, programs: dict, calls: dict, ledger, stats, admit_waiting: Callable,
-                 force_after_s: float | None, idle_release_s: float, growth_reserve_tokens: int) -> None:
-        self.lot = ParkingLot(force_after_s)
-        self._programs = programs
-        self._calls = calls
-        self._ledger = ledger
-        self._stats = stats
-        self._admit_waiting = admit_waiting
-        self.idle_release_s = idle_release_s
-        self.growth_reserve_tokens = growth_reserve_tokens
-        # (deadline, session): when a program with nothing to run may be released as idle;
-        # live while it is the program's latest (last activity + idle_release_s)
-        self._idle = DeadlineHeap(self._idle_deadline_wanted, lambda: len(self._programs))
-
-    def reconfigure(self, force_after_s: float | None, idle_release_s: float,
-                    growth_reserve_tokens: int) -> None:
-        self.lot.reconfigure(force_after_s)
-        self.idle_release_s = idle_release_s
-        self.growth_reserve_tokens = growth_reserve_tokens
-
-    # -- pause and resume ----------------------------------------------------------------
-
-    def pause(self, program: Program, now: float) -> str:
+    def pause(self, program: Program, ledger: Ledger, stats: PolicyStats, now: float) -> str:
         """ACTIVE+ACTING → PAUSED and parked; returns the worker it left."""
         worker = program.home_worker
-        assert worker is not None
+        if worker is None:
+            raise ValueError(f"{program.session_id}: an unplaced program cannot pause")
         program.pause()
-        self._ledger.refresh(program)
-        self.lot.park(program.session_id, now)
-        self._stats.pauses += 1
+        ledger.refresh(program)
+        self.park(program.session_id, now)
+        stats.pauses += 1
         return worker
 
-    def resume(self, program: Program, worker: str, now: float, forced: bool,
-               boost_s: float) -> list[Action]:
-        """Place a PENDING program or resume a PAUSED one on ``worker`` and admit its held
-        calls (a resumed program's ``boost_s`` earlier in the engine's queue)."""
+    def resume(self, program: Program, worker: str, ledger: Ledger, stats: PolicyStats,
+               now: float, forced: bool) -> list[Action]:
+        """Place a PENDING program or resume a PAUSED one on ``worker``, out of the lot;
+        returns :class:`Resume` for a paused one. The caller admits its held calls."""
         was_paused = program.paused
         if program.pending:
             program.place(worker, now)
         else:
             program.resume(worker, now)
-        self.lot.unpark(program.session_id)
-        self._ledger.refresh(program)
-        actions: list[Action] = []
+        self.unpark(program.session_id)
+        ledger.refresh(program)
         if forced:
-            self._stats.forced_resumes += 1
-        if was_paused:
-            self._stats.resumes += 1
-            actions.append(Resume(program.session_id, worker, forced))
-        actions += self._admit_waiting(program, worker, now, was_paused, boost_s if was_paused else 0.0)
-        if not program.in_flight:
-            self.note_idle(program, now)
-        return actions
+            stats.forced_resumes += 1
+        if not was_paused:
+            return []
+        stats.resumes += 1
+        return [Resume(program.session_id, worker, forced)]
 
-    def force_target(self, program: Program, room: dict[str, float] | None = None) -> str | None:
-        """Where a forced resume of ``program`` goes: its home if it takes programs, else the
-        emptiest worker; None when no worker takes programs or a PENDING program has nothing
-        to run yet. ``room``: each worker's free tokens, when the caller keeps them."""
-        if program.pending and not program.waiting:
-            return None
-        worker = program.home_worker
-        if worker is None or not self._ledger.worker(worker).accepts_programs:
-            worker = self.emptiest_worker(room)
-        return worker
 
-    def demand_when_resumed(self, program: Program) -> int:
-        return program.waiting_demand_tokens(
-            self.growth_reserve_tokens, lambda rid: self._calls[rid].request.prompt_tokens)
+class IdleDeadlines:
+    """When each program with nothing to run may be released as idle: ``idle_release_s``
+    after its last activity. A deadline is live while it is its program's latest; the program
+    table (read, never changed) tells the stale ones."""
 
-    def free_room(self) -> dict[str, float]:
-        """Free tokens of each worker that takes programs, in the ledger's order."""
-        return {load.name: load.capacity_tokens - self._ledger.load_tokens(load.name)
-                for load in self._ledger.workers() if load.accepts_programs}
+    def __init__(self, idle_release_s: float, programs: Mapping[SessionId, Program]) -> None:
+        self.idle_release_s = idle_release_s
+        self._programs = programs
+        # (deadline, session), live while deadline ≥ last activity + idle_release_s
+        self._heap: DeadlineHeap[tuple[float, str]] = DeadlineHeap(self._wanted, lambda: len(programs))
 
-    def emptiest_worker(self, room: dict[str, float] | None = None) -> str | None:
-        best, best_free = None, -math.inf
-        for name, free in (room if room is not None else self.free_room()).items():
-            if free > best_free:
-                best, best_free = name, free
-        return best
-
-    # -- idle release --------------------------------------------------------------------
-
-    def note_idle(self, program: Program, now: float) -> None:
+    def note(self, program: Program, now: float) -> None:
         """``program`` has nothing to run from ``now`` on: release it after idle_release_s."""
-        self._idle.push((now + self.idle_release_s, program.session_id))
+        self._heap.push((now + self.idle_release_s, program.session_id))
 
     def held_call_gone(self, program: Program) -> None:
         """A held call of ``program`` went away: if that left it nothing to run, it is idle
         from its last activity on (without a deadline it would never be released)."""
         if not program.in_flight and not program.waiting:
-            self.note_idle(program, program.last_activity)
+            self.note(program, program.last_activity)
 
-    def idle_sessions(self, now: float) -> Iterator[str]:
+    def due(self, now: float) -> Iterator[str]:
         """Programs whose idle deadline passed and that stayed idle, deadline order."""
-        for _, session in self._idle.pop_due(now):
+        for _, session in self._heap.pop_due(now):
             program = self._programs.get(session)
             if program is None or program.in_flight or program.waiting:
                 continue
@@ -246,11 +155,109 @@ class Parking:
                 continue
             yield session
 
-    def _idle_deadline_wanted(self, entry: tuple[float, str]) -> bool:
+    def trim(self) -> None:
+        """A program was released: its deadlines may go."""
+        self._heap.trim()
+
+    def _wanted(self, entry: tuple[float, str]) -> bool:
         program = self._programs.get(entry[1])
         return program is not None and entry[0] >= program.last_activity + self.idle_release_s
+
+
+class Parking:
+    """thunderagent's running ↔ parked moves, on its program table and ledger.
+
+    The owner passes what it counts by (``programs``, ``calls``, ``ledger``, ``stats``) and
+    how it admits held calls (``admit_waiting``); this class keeps the parking lot and the
+    idle deadlines. Invariant 2: a parked session names a program of the table that is not
+    ACTIVE (the owner unparks a program whenever it places or resumes it, and on release).
+    """
+
+    def __init__(self, programs: dict[SessionId, Program], calls: dict[str, Call], ledger: Ledger,
+                 stats: PolicyStats, admit_waiting: Callable[..., list[Action]],
+                 force_after_s: float | None, idle_release_s: float, growth_reserve_tokens: int) -> None:
+        self.lot = ParkingLot(force_after_s)
+        self._calls = calls
+        self._ledger = ledger
+        self._stats = stats
+        self._admit_waiting = admit_waiting
+        self._idle = IdleDeadlines(idle_release_s, programs)
+        self.growth_reserve_tokens = growth_reserve_tokens
+
+    def reconfigure(self, force_after_s: float | None, idle_release_s: float,
+                    growth_reserve_tokens: int) -> None:
+        self.lot.reconfigure(force_after_s)
+        self._idle.idle_release_s = idle_release_s
+        self.growth_reserve_tokens = growth_reserve_tokens
+
+    # -- pause and resume ----------------------------------------------------------------
+
+    def pause(self, program: Program, now: float) -> str:
+        """ACTIVE+ACTING → PAUSED and parked; returns the worker it left."""
+        return self.lot.pause(program, self._ledger, self._stats, now)
+
+    def resume(self, program: Program, worker: str, now: float, forced: bool,
+               boost_s: float) -> list[Action]:
+        """Place a PENDING program or resume a PAUSED one on ``worker`` and admit its held
+        calls (a resumed program's ``boost_s`` earlier in the engine's queue)."""
+        was_paused = program.paused
+        actions = self.lot.resume(program, worker, self._ledger, self._stats, now, forced)
+        actions += self._admit_waiting(program, worker, now, was_paused, boost_s if was_paused else 0.0)
+        if not program.in_flight:
+            self.note_idle(program, now)
+        return actions
+
+    def force_target(self, program: Program) -> str | None:
+        """Where a forced resume of ``program`` goes (:func:`force_target`)."""
+        return force_target(program, self._ledger)
+
+    def demand_when_resumed(self, program: Program) -> int:
+        return demand_when_resumed(program, self._calls, self.growth_reserve_tokens)
+
+    # -- idle release --------------------------------------------------------------------
+
+    def note_idle(self, program: Program, now: float) -> None:
+        self._idle.note(program, now)
+
+    def held_call_gone(self, program: Program) -> None:
+        self._idle.held_call_gone(program)
+
+    def idle_sessions(self, now: float) -> Iterator[str]:
+        return self._idle.due(now)
 
     def forget(self, session: str) -> None:
         """The program was released."""
         self.lot.unpark(session)
         self._idle.trim()
+
+
+def demand_when_resumed(program: Program, calls: Mapping[str, Call], growth_reserve_tokens: int) -> int:
+    """The tokens a parked program needs once its held calls are admitted."""
+    return program.waiting_demand_tokens(growth_reserve_tokens, lambda rid: calls[rid].request.prompt_tokens)
+
+
+def free_room(ledger: Ledger) -> dict[str, float]:
+    """Free tokens of each worker that takes programs, in the ledger's order."""
+    return {load.name: load.capacity_tokens - ledger.load_tokens(load.name)
+            for load in ledger.workers() if load.accepts_programs}
+
+
+def force_target(program: Program, ledger: Ledger, room: dict[str, float] | None = None) -> str | None:
+    """Where a forced resume of ``program`` goes: its home if it takes programs, else the
+    emptiest worker; None when no worker takes programs or a PENDING program has nothing to
+    run yet. ``room``: each worker's free tokens (:func:`free_room`), when the caller keeps
+    them."""
+    if program.pending and not program.waiting:
+        return None
+    worker = program.home_worker
+    if worker is None or not ledger.worker(worker).accepts_programs:
+        worker = emptiest_worker(room if room is not None else free_room(ledger))
+    return worker
+
+
+def emptiest_worker(room: dict[str, float]) -> str | None:
+    best, best_free = None, -math.inf
+    for name, free in room.items():
+        if free > best_free:
+            best, best_free = name, free
+    return best

@@ -66,30 +66,34 @@ BOUNDS: dict[str, str] = {
     "_active_tokens": WORKER,
     # autellix: the process table
     "process_table": LIVE,
-    # continuum, program_aware: recent tool-call durations
+    # continuum: recent tool-call durations
     "_tool_times._recent": WINDOW,
     "_tool_times._sorted": WINDOW,
-    # program_aware
-    "_soft_band": WORKER,
-    "_reserved": WORKER,
-    "_homed_tokens": WORKER,
-    "_paused_tokens": WORKER,
-    "_retention_due": LIVE,
-    "_retained_until": LIVE,
-    "_wait_deadlines._heap": LIVE,
-    "_dormancy_checks._heap": LIVE,
-    "_predicted_ends._heap": LIVE,
-    "_retain_refresh._heap": LIVE,
-    # the parts both pausing policies are built from (scheduler/policies/parking.py)
+    # thunderagent: its parking lot and idle deadlines (scheduler/policies/parking.py)
     "_parking.lot._since": LIVE,
     "_parking.lot._deadlines._heap": LIVE,
-    "_parking._idle._heap": LIVE,
-    # program_aware's resume order
-    "_queue._keys": LIVE,
-    "_queue._demand": LIVE,
-    "_queue._order": LIVE,
-    "_queue._smallest": LIVE,
-    "_queue._largest_waiting": LIVE,
+    "_parking._idle._heap._heap": LIVE,
+    # program_aware, room by room (scheduler/policies/program_aware/)
+    "_capacity._homed_tokens": WORKER,
+    "_capacity._paused_tokens": WORKER,
+    "_placement.reservations._holder": WORKER,
+    "_resume.lot._since": LIVE,
+    "_resume.lot._deadlines._heap": LIVE,
+    "_resume._idle._heap._heap": LIVE,
+    "_resume._wait_deadlines._heap": LIVE,
+    "_resume._queue._keys": LIVE,
+    "_resume._queue._demand": LIVE,
+    "_resume._queue._order": LIVE,
+    "_resume._queue._smallest": LIVE,
+    "_resume._queue._largest_waiting": LIVE,
+    "_pausing.soft_band": WORKER,
+    "_dormancy._tool_times._recent": WINDOW,
+    "_dormancy._tool_times._sorted": WINDOW,
+    "_dormancy._checks._heap": LIVE,
+    "_dormancy._predicted_ends._heap": LIVE,
+    "_keep._retained_until": LIVE,
+    "_keep._due": LIVE,
+    "_keep._refresh._heap": LIVE,
 }
 
 

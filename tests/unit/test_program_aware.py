@@ -173,7 +173,7 @@ def test_marked_program_pauses_when_its_last_call_completes() -> None:
     program = d.p.programs["m"]
     assert program.lifecycle is Lifecycle.PAUSED and not program.marked
     assert program.context_tokens == 260  # the response was used, not thrown away
-    assert d.p._parking.lot.since("m") == 3.0  # the force-resume clock counts from the pause
+    assert d.p._resume.lot.since("m") == 3.0  # the force-resume clock counts from the pause
 
 
 def test_marked_program_whose_call_is_aborted_pauses_too() -> None:
@@ -762,9 +762,9 @@ def test_reconfigured_aging_half_life_reorders_the_resume_queue() -> None:
     from scheduler.config import PolicyConfig
 
     policy = make({"w0": CAP})
-    before = policy._queue
+    before = policy._resume._queue
     policy.reconfigure(policy.config.model_copy(update={"resume_aging_halflife_s": 5.0}))
-    assert policy._queue is not before
+    assert policy._resume._queue is not before
     assert policy.config.resume_aging_halflife_s == 5.0
     assert isinstance(policy.config, PolicyConfig)
 
@@ -871,14 +871,14 @@ def test_a_program_no_worker_can_resume_gets_a_reserved_worker_nothing_else_is_p
         assert isinstance(d.arrive(sid, tokens, now=2.0), Hold)
     d.p.set_worker_health("w1", True, 2.0)
     actions = d.p.tick(3.0)
-    assert d.p._reserved == {"w0": "big"}
+    assert d.p._placement.reservations.held() == {"w0": "big"}
     # the small program resumes on the other worker although its home has room
     assert of(actions, Resume) == [Resume("small", "w1", False)]
     # once nothing on the reserved worker is reasoning, the big program runs there
     d.finish("x#2", 50, 5.0)
     actions = d.p.tick(5.0)
     assert of(actions, Resume) == [Resume("big", "w0", True)]
-    assert d.p._reserved == {}
+    assert d.p._placement.reservations.held() == {}
 
 
 def test_the_learnt_dormancy_cutoff_is_reported_as_an_adaptive_setting() -> None:

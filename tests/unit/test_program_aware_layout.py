@@ -1,0 +1,55 @@
+"""program_aware's rooms (scheduler/policies/program_aware/, issue 20): each a module a
+newcomer can hold in their head, saying what it owns, read by the façade and by one another
+one way only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import scheduler.policies.program_aware as package
+
+PACKAGE_DIR = Path(package.__file__).resolve().parent
+PREFIX = "scheduler.policies.program_aware."
+# room -> the rooms it may import; what is not listed may import no room.
+MAY_IMPORT = {
+    "policy": {"capacity", "placement", "resume", "pausing", "dormancy", "keep"},
+    "resume": {"placement"},
+    "placement": {"capacity"},
+    "pausing": {"capacity"},
+}
+ROOMS = sorted(path.stem for path in PACKAGE_DIR.glob("*.py") if path.stem != "__init__")
+
+
+def _rooms_imported(path: Path) -> set[str]:
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PREFIX):
+            rooms.add(node.module.removeprefix(PREFIX).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path.name}: a relative import; name the room in full")
+    return rooms
+
+
+def test_the_rooms_are_the_ones_the_layout_names() -> None:
+    assert ROOMS == ["capacity", "dormancy", "keep", "pausing", "placement", "policy", "resume"]
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_rooms_read_one_another_one_way(room: str) -> None:
+    assert _rooms_imported(PACKAGE_DIR / f"{room}.py") <= MAY_IMPORT.get(room, set())
+
+
+@pytest.mark.parametrize("room", [*ROOMS, "__init__"])
+def test_every_room_is_small_and_says_what_it_owns(room: str) -> None:
+    source = (PACKAGE_DIR / f"{room}.py").read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= (300 if room == "policy" else 600)
+    assert ast.get_docstring(ast.parse(source)), f"{room}.py has no module docstring"
+
+
+def test_the_package_hands_on_the_policy() -> None:
+    from scheduler.policies import POLICIES
+
+    assert POLICIES["program_aware"] is package.ProgramAwarePolicy
