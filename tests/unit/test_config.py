@@ -82,6 +82,21 @@ def test_the_architecture_docs_defaults_table_matches_the_config():
             assert float(getattr(defaults, key)) == float(value), key
 
 
+def test_the_architecture_docs_baseline_table_matches_the_config():
+    """docs/architecture.md §4 lists each baseline key in its policy's section with its default."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    section = path.read_text(encoding="utf-8").split("## 4.", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z_, ]+?)\s*\|\s*([-0-9.e, ]+?)\s*\|", section,
+                      flags=re.M)
+    documented = set()
+    for policy, keys, values in rows:
+        defaults = make_policy_config({"name": policy})
+        for key, value in zip(keys.split(", "), values.split(", "), strict=True):
+            assert float(getattr(defaults, key)) == float(value), f"{policy}.{key}"
+            documented.add(key)
+    assert documented == {key for _, key in BASELINE_KEYS_MOVED.values()}
+
+
 def test_empty_or_absent_policy_section_gives_the_defaults():
     assert parse_policy_yaml("") == ProgramAwareConfig()
     assert parse_policy_yaml("policy:\n") == ProgramAwareConfig()
