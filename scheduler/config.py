@@ -446,19 +446,12 @@ def section_class(name: str) -> type[PolicyConfig]:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
 
 
-def _owners(key: str) -> list[str]:
-    """The policies whose section takes ``key``."""
-    return [name for name, section in _SECTION_OF.items() if key in section.model_fields
-            or key == "soft_band_penalty" and section is ProgramAwareConfig]
-
-
 def _refuse_keys_of_other_policies(section: type[PolicyConfig], data: dict[str, Any],
                                    name: Any) -> None:
     for key in data:
-        if key in section.model_fields or key == "soft_band_penalty" and section is ProgramAwareConfig:
-            continue
-        owners = _owners(key)
-        if owners:
+        owners = [policy for policy, other in _SECTION_OF.items() if key in other.model_fields
+                  or key == "soft_band_penalty" and other is ProgramAwareConfig]
+        if owners and section not in map(_SECTION_OF.get, owners):
             where = (f" (for {owners[0]} when it runs from this file: {owners[0]}.{key})"
                      if len(owners) == 1 else "")
             raise ValueError(f"{key}: a key of {' / '.join(owners)}; {name} does not take it{where}")
