@@ -56,6 +56,8 @@ from vllm.v1.request import Request
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from sluice_vllm_plugin import host_tier, labels, retention
+from sluice_vllm_plugin.directive_envelope import (KvOffload, KvPrefetch, KvRetain, OffloadPayload,
+                                                  PrefetchPayload, RetainPayload)
 
 BLOCK = 16
 SHARED_BLOCKS = 8
@@ -105,7 +107,8 @@ def _round(requests: list[Request], patched: bool,
     for request in requests:
         if directives == "offload" and request.session_id in offloaded:
             # the paused program resumes: the policy prefetches it before its request
-            state.post("prefetch", request.session_id, 80, RETAIN_CYCLES)
+            state.post(KvPrefetch(PrefetchPayload(request.session_id, priority=80,
+                                                   deadline_s=RETAIN_CYCLES)))
             offloaded.discard(request.session_id)
         hits = []
         for block_hash in request.block_hashes[:SHARED_BLOCKS]:
@@ -126,9 +129,9 @@ def _round(requests: list[Request], patched: bool,
             with retention.freeing(pool, request.session_id):
                 pool.free_blocks(reversed(blocks))
             if directives == "retain":
-                state.post("retain", request.session_id, 80, RETAIN_CYCLES)
+                state.post(KvRetain(RetainPayload(request.session_id, 80, RETAIN_CYCLES)))
             elif directives == "offload":
-                state.post("offload", request.session_id)
+                state.post(KvOffload(OffloadPayload(request.session_id)))
                 offloaded.add(request.session_id)
             cycle[0] += 1.0
         else:

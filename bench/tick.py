@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from bench.common import percentile, progress, result
 from scheduler.actions import Action, Admit, Mark, Pause, Release, Resume
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import PolicyConfig
+from scheduler.config import ProgramAwareConfig
 from scheduler.coordinates import (
     ContinuationChain,
     ContinuationId,
@@ -84,7 +84,7 @@ class Fleet:
 
     def __init__(self, rng: random.Random, workers: int, programs: int) -> None:
         self.rng = rng
-        self.policy = make_policy(PolicyConfig(), name="program_aware")
+        self.policy = make_policy(ProgramAwareConfig(), name="program_aware")
         self.now = 0.0
         self.programs: dict[SessionId, BenchProgram] = {}
         self.requests: dict[str, tuple[BenchProgram, CallRequest]] = {}

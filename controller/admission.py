@@ -48,15 +48,13 @@ import anyio
 
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
 from controller.serve_config import LimitsConfig, WorkerConfig
-from scheduler.actions import (Action, Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release,
-                               Resume, Retain, engine_priority)
+from scheduler.actions import (Action, Admit, Demote, Directive, Hold, Mark, Offload, Pause,
+                               Prefetch, Release, Resume, Retain, engine_priority)
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy, UnknownCall
 from scheduler.snapshot import PolicySnapshot, ProgramView
-
-Directive = Retain | Demote | Release | Offload | Prefetch
 
 
 # A learnt policy setting is logged again once it moves by more than this share.

@@ -1,4 +1,4 @@
-"""The directive sender: the policy's Retain / Demote / Release / Offload / Prefetch actions as KvHint-shaped
+"""The directive sender: the policy's directives (``scheduler.actions.Directive``) as KvHint-shaped
 envelopes to each worker's engine plugin (``sluice_vllm_plugin/directives.py``).
 
 One ZMQ PUSH socket per worker that has a ``directives`` endpoint, connected to the plugin's
@@ -13,38 +13,23 @@ a socket (no ``directives`` endpoint) is counted as sent and goes nowhere.
 from __future__ import annotations
 
 import itertools
-from typing import Any, assert_never
+from typing import Any
 
 import zmq
 
-from controller.admission import Directive, DirectiveSink
+from controller.admission import DirectiveSink
 from controller.serve_config import WorkerConfig
-from scheduler.actions import Demote, Offload, Prefetch, Release, Retain
-from sluice_vllm_plugin.directive_envelope import (PROTOCOL_VERSION, Envelope, KvAction, KvDemote,
-                                                  KvOffload, KvPrefetch, KvRelease, KvRetain,
-                                                  OffloadPayload, PrefetchPayload, RetainPayload,
-                                                  SessionPayload, encode_json)
+from scheduler.actions import Directive
+from sluice_vllm_plugin import directive_envelope
+from sluice_vllm_plugin.directive_envelope import PROTOCOL_VERSION, Envelope, KvAction, encode_json
 
 SEND_HWM = 10_000
 
 
 def kv_action(action: Directive, action_id: str) -> KvAction:
-    """The policy's directive as the envelope's action (the wire names of architecture.md §5.4)."""
-    match action:
-        case Retain():
-            return KvRetain(RetainPayload(action.session_id, action.priority, action.ttl_s,
-                                          action.continuation_id), action_id)
-        case Demote():
-            return KvDemote(SessionPayload(action.session_id), action_id)
-        case Release():
-            return KvRelease(SessionPayload(action.session_id), action_id)
-        case Offload():
-            return KvOffload(OffloadPayload(action.session_id, action.continuation_id), action_id)
-        case Prefetch():
-            return KvPrefetch(PrefetchPayload(action.session_id, action.continuation_id,
-                                              action.priority, action.deadline_s), action_id)
-        case _:
-            assert_never(action)
+    """The policy's directive as the envelope's action of its verb (the wire names of
+    architecture.md §5.4)."""
+    return directive_envelope.kv_action(action.verb, action, action_id)
 
 
 def envelope(action: Directive, message_id: str) -> Envelope:

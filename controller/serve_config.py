@@ -14,7 +14,7 @@ One YAML document, every top-level key optional except ``workers``::
     kv_events_bind: tcp://*:5557          # llm-d layout: one SUB, topics kv@<worker>@<model>
     kv_events_queue: 1000                 # batches queued per worker before drops (repaired)
     kv_replay_timeout_s: 2.0
-    policy: {...}                         # scheduler.config.PolicyConfig
+    policy: {name: ..., ...}              # one section per policy: scheduler.config.AnyPolicyConfig
 
 Errors name the key with its dotted path (``workers.1.url: ...``), as ``check-config`` does
 for ``policy:``; the ``policy:`` section is validated by
@@ -34,6 +34,7 @@ from scheduler.config import (
     AnyPolicyConfig,
     ConfigError,
     PolicyConfig,
+    ProgramAwareConfig,
     format_validation_errors,
     load_yaml_text,
     parse_policy_config,
@@ -201,7 +202,7 @@ class ServeConfig(_Strict):
     # Longest wait for each message of a replay answer before the repair gives up.
     kv_replay_timeout_s: Seconds = 2.0
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
-    policy: AnyPolicyConfig = PolicyConfig()
+    policy: AnyPolicyConfig = ProgramAwareConfig()
 
     _path: Path | None = PrivateAttr(default=None)
 
@@ -269,7 +270,7 @@ def parse_serve_config(data: Any, source: str = "<config>") -> ServeConfig:
     except ConfigError as err:
         problems.append(str(err))
     try:
-        config = ServeConfig.model_validate({**rest, "policy": policy or PolicyConfig()})
+        config = ServeConfig.model_validate({**rest, "policy": policy or ProgramAwareConfig()})
     except ValidationError as err:
         problems.append(format_validation_errors(err, ""))
         config = None

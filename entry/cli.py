@@ -95,10 +95,10 @@ def _summary_line(cls: type) -> str:
 
 @app.command("policies", help="List the registered policies with a one-line description of each.")
 def policies() -> None:
-    from scheduler.config import PolicyConfig
+    from scheduler.config import DEFAULT_POLICY
     from scheduler.policies import POLICIES
 
-    default = PolicyConfig().name
+    default = DEFAULT_POLICY
     width = max(len(name) for name in POLICIES)
     for name, cls in POLICIES.items():
         marker = "*" if name == default else " "

@@ -1,5 +1,6 @@
 """``sluice sim``, ``sluice replay`` and ``sluice sweep``: the simulator's commands (and
-``sluice tune``, from entry/tune_command.py).
+``sluice tune``, from entry/tune_command.py; the options and checks they share are in
+entry/sim_options.py).
 
 They are registered on the main ``sluice`` app by :func:`register`. Each prints the report
 table; ``--json PATH`` writes ``{"results": [...], "config": {...}}``. Bad input (unknown
@@ -9,17 +10,19 @@ and exits with status 2.
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from entry.sim_options import (SchedulingPolicyOption, check_preset, check_scheduling_policy,
+                               command_line)
+from entry.simworker_command import simworker
+from entry.trace_input import load_trace
+from entry.tune_command import tune
 from entry.usage_error import usage_error
-from scheduler.config import POLICY_NAMES, ConfigError
+from scheduler.config import POLICY_NAMES, ConfigError, parse_policy_yaml
 from sim.report import format_table, with_ceiling_ratio, write_json
-from sim.engine import SCHEDULING_POLICIES
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, run_policies,
                       trace_span_s, workload_feed)
 from sim.step_time import DEFAULT_PRESET, presets
@@ -44,20 +47,7 @@ HostTierOption = Annotated[bool, typer.Option(
     "--host-tier",
     help="Turn on the host KV tier at the preset's size (see `sluice presets`); "
          "--kv-offload-gb overrides the size.")]
-SchedulingPolicyOption = Annotated[str, typer.Option(
-    "--scheduling-policy", metavar="fcfs|priority",
-    help="The simulated engines' vLLM --scheduling-policy. priority (default, what the "
-         "committed results use): the policy's admission priority orders each engine's "
-         "queue (held and resumed calls ahead, soft-band calls later, autellix's queues); "
-         "fcfs (vLLM's own default): the engines ignore it, as a fleet whose vLLM runs "
-         "without --scheduling-policy priority.")]
 
-
-def check_scheduling_policy(value: str) -> str:
-    if value not in SCHEDULING_POLICIES:
-        raise usage_error(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                          f"got {value!r}")
-    return value
 
 
 def _policies(spec: str) -> list[str]:
@@ -70,11 +60,6 @@ def _policies(spec: str) -> list[str]:
     return names
 
 
-def _check_preset(name: str) -> None:
-    if name not in presets():
-        raise usage_error(f"unknown preset {name!r}; choose from {', '.join(presets())}")
-
-
 def _host_tier_gib(preset: str, kv_offload_gib: float, host_tier: bool) -> float:
     """The host tier size a run asks for: --kv-offload-gb, else the preset's with --host-tier."""
     if kv_offload_gib > 0:
@@ -84,8 +69,6 @@ def _host_tier_gib(preset: str, kv_offload_gib: float, host_tier: bool) -> float
 
 def _policy_config(path: Path | None):
     """The `policy:` section of ``path`` (None: the defaults); errors name the file and key."""
-    from scheduler.config import parse_policy_yaml
-
     if path is None:
         return None
     try:
@@ -96,10 +79,6 @@ def _policy_config(path: Path | None):
         return parse_policy_yaml(text, str(path))
     except ConfigError as err:
         raise usage_error(str(err)) from None
-
-
-def _command_line() -> str:
-    return "sluice " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
 
 
 def sim(
@@ -126,7 +105,7 @@ def sim(
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
-    _check_preset(preset)
+    check_preset(preset)
     check_scheduling_policy(scheduling_policy)
     policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
@@ -140,7 +119,7 @@ def sim(
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
-        config = {"command": _command_line(), "workload": workload, "concurrency": concurrency,
+        config = {"command": command_line(), "workload": workload, "concurrency": concurrency,
                   "workers": workers, "preset": preset, "duration_s": duration, "seed": seed,
                   "block_size": block_size, "policies": names, "ceiling": ceiling,
                   "kv_offload_gib": _host_tier_gib(preset, kv_offload_gib, host_tier),
@@ -193,7 +172,7 @@ def replay(
 
     names = _policies(policy)
     policy_config = _policy_config(config_path)
-    _check_preset(preset)
+    check_preset(preset)
     check_scheduling_policy(scheduling_policy)
     if time_scale <= 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
@@ -223,7 +202,7 @@ def replay(
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
-        config = {"command": _command_line(), "format": fmt, "trace": str(trace), "workers": workers,
+        config = {"command": command_line(), "format": fmt, "trace": str(trace), "workers": workers,
                   "preset": preset, "time_scale": time_scale, "block_size": block_size,
                   "policies": names, "ceiling": ceiling, "concurrency": concurrency, "duration_s": duration,
                   "scheduling_policy": scheduling_policy, **loader_options}
@@ -249,53 +228,6 @@ def _replay_loader_options(fmt: str, timing: Optional[str], warm_prefix: Optiona
     if warm_prefix is not None:
         options["warm_prefix_fraction"] = warm_prefix
     return options
-
-
-# an error names this many calls that cannot fit, then counts the rest
-_OFFENDERS_SHOWN = 20
-
-
-def load_trace(fmt: str, trace: Path, time_scale: float, preset: str, **loader_options):
-    """The trace's programs and block size; a trace that cannot be read, holds nothing or
-    holds a call no worker could fit is a usage error naming the problem."""
-    from sim.runs import replay_programs
-    from sim.traces import TraceError
-
-    try:
-        programs, block_size = replay_programs(fmt, trace, time_scale, **loader_options)
-    except TraceError as err:
-        raise usage_error(str(err)) from None
-    except (ValueError, OSError) as err:
-        raise usage_error(f"{trace}: {err}") from None
-    if not programs:
-        raise usage_error(f"{trace}: the trace holds no requests")
-    _check_fits(programs, preset, block_size, trace)
-    return programs, block_size
-
-
-def _check_fits(programs, preset: str, block_size: int, trace: Path) -> None:
-    """A call whose prompt and output exceed a worker's whole KV pool can never run: name
-    every such call (the first :data:`_OFFENDERS_SHOWN`, then how many more). The presets
-    have no context length of their own; the pool is the limit."""
-    model = presets()[preset]
-    capacity = model.kv_capacity_tokens // block_size * block_size
-    offenders = [(spec.session_id, k, need) for spec in programs for k, call in enumerate(spec.calls)
-                 if (need := call.prompt_tokens + call.output_tokens) > capacity]
-    if not offenders:
-        return
-    sessions = len({session for session, _, _ in offenders})
-    lines = [f"  session {session} call {k}: {need:,} tokens"
-             for session, k, need in offenders[:_OFFENDERS_SHOWN]]
-    if len(offenders) > _OFFENDERS_SHOWN:
-        lines.append(f"  and {len(offenders) - _OFFENDERS_SHOWN:,} more")
-    verb = "needs" if len(offenders) == 1 else "need"
-    raise usage_error(f"{trace}: {_count(len(offenders), 'call')} in {_count(sessions, 'session')} "
-                f"{verb} more KV than a worker's whole pool ({capacity:,} tokens under preset "
-                f"{preset!r}):\n" + "\n".join(lines))
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def _fresh(programs):
@@ -324,7 +256,7 @@ def sweep(
         raise usage_error(str(err)) from None
     if jobs is not None:
         spec = spec.model_copy(update={"jobs": jobs})
-    out = run_sweep(spec, policy_config, _command_line())
+    out = run_sweep(spec, policy_config, command_line())
     typer.echo((out / "results.md").read_text())
     typer.echo(f"wrote {out}/results.md, results.json, throughput.png, hit_rate.png, p99_latency.png")
 
@@ -337,9 +269,6 @@ def list_presets() -> None:
 
 
 def register(app: typer.Typer) -> None:
-    from entry.simworker_command import simworker
-    from entry.tune_command import tune
-
     app.command("sim")(sim)
     app.command("replay")(replay)
     app.command("sweep")(sweep)

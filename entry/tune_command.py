@@ -19,8 +19,9 @@ from typing import Any, Optional
 
 import typer
 
-from entry.sim_commands import (SchedulingPolicyOption, _check_preset, _command_line,
-                                check_scheduling_policy, load_trace)
+from entry.sim_options import (SchedulingPolicyOption, check_preset, check_scheduling_policy,
+                               command_line)
+from entry.trace_input import load_trace
 from entry.usage_error import usage_error
 from sim import tuning
 from sim.report import format_table, with_ceiling_ratio
@@ -113,7 +114,7 @@ def tune(
     """Search a policy's keys on the simulator (Optuna): maximise output tokens/s subject to a
     p99 call-latency limit, check the best against the defaults on held-back data, write a
     `policy:` section."""
-    _check_preset(preset)
+    check_preset(preset)
     check_scheduling_policy(scheduling_policy)
     if policy not in tuning.SEARCH_SPACES:
         raise usage_error(f"--policy {policy!r} has no search space; tunable: "
@@ -173,7 +174,7 @@ def tune(
     for line in verdict:
         typer.echo(line)
 
-    comments = [f"made by: {_command_line()}",
+    comments = [f"made by: {command_line()}",
                 f"tuning data: {tuning_data.label}; held-back data: {held_back.label}",
                 f"p99 limit {study.p99_limit_s:.2f} s on the tuning data, {held_limit:.2f} s held back",
                 _figures("tuning data", defaults.measurement, chosen.measurement),
@@ -188,7 +189,7 @@ def tune(
         raise usage_error(f"{out}: cannot write ({err.strerror or err})") from None
     typer.echo(f"wrote {out}")
     if json_path is not None:
-        doc = {"config": {"command": _command_line(), "policy": policy, "tuning_data": tuning_data.label,
+        doc = {"config": {"command": command_line(), "policy": policy, "tuning_data": tuning_data.label,
                           "held_back_data": held_back.label, "trials": trials, "batch": batch,
                           "sampler_seed": seed, "scheduling_policy": scheduling_policy,
                           "p99_limit_s": study.p99_limit_s,

@@ -8,11 +8,17 @@ admission carries the call's arrival; a resumed program's call its arrival minus
 mix (scheduler/policies/autellix.py). An engine is not on the policy's clock, so both shells
 hand it :func:`engine_priority`: the same time as milliseconds relative to the moment of
 dispatch, the integer vLLM's ``priority`` field takes (architecture.md §3).
+
+A :data:`Directive` is for the engine of its ``worker``: each has a ``verb``, the name of its
+action in the directive envelope (``kv.retain`` for ``retain``;
+``sluice_vllm_plugin/directive_envelope.py``), whose payload is read off the directive's
+fields of the same names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from scheduler.coordinates import ContinuationId, SessionId
 
@@ -65,6 +71,7 @@ class Mark:
 class Retain:
     """Ask ``worker`` to prefer keeping the session's KV (a bias, not a pin)."""
 
+    verb: ClassVar[str] = "retain"
     session_id: SessionId
     worker: WorkerName
     priority: int
@@ -76,6 +83,7 @@ class Retain:
 class Demote:
     """The session's KV on ``worker`` may go first."""
 
+    verb: ClassVar[str] = "demote"
     session_id: SessionId
     worker: WorkerName
 
@@ -84,6 +92,7 @@ class Demote:
 class Release:
     """The program is over (final, idle, or released by an operator); forget its KV bias."""
 
+    verb: ClassVar[str] = "release"
     session_id: SessionId
     worker: WorkerName | None
     reason: str
@@ -94,6 +103,7 @@ class Offload:
     """Park the session's KV on ``worker`` in its host tier and let the GPU copy go first
     (``kv.offload``: it replaces a :class:`Demote`, which it includes)."""
 
+    verb: ClassVar[str] = "offload"
     session_id: SessionId
     worker: WorkerName
     continuation_id: ContinuationId | None = None
@@ -106,6 +116,7 @@ class Prefetch:
     until its next call loads it or a :class:`Release`), and undo a GPU demotion
     (``kv.prefetch``)."""
 
+    verb: ClassVar[str] = "prefetch"
     session_id: SessionId
     worker: WorkerName
     priority: int
@@ -125,5 +136,7 @@ def engine_priority(priority: float, dispatched_at: float) -> int:
     return round((priority - dispatched_at) * 1000.0)
 
 
-Action = Admit | Hold | Resume | Pause | Mark | Retain | Demote | Release | Offload | Prefetch
+# What a shell sends on to an engine (the others it carries out itself, or only logs).
+Directive = Retain | Demote | Release | Offload | Prefetch
+Action = Admit | Hold | Resume | Pause | Mark | Directive
 Decision = Admit | Hold

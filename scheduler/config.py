@@ -1,8 +1,12 @@
 """Typed configuration (pydantic). Shells read the YAML; parsing and validation live here.
 
-Defaults of the program-aware policy are those published for the Dynamo port of
-ThunderAgent (architecture.md §3). Every validation error names the key it is about, with its
-full dotted path, so an operator can find the line to fix.
+The ``policy:`` section is one section per policy, a union discriminated by ``name``
+(:data:`AnyPolicyConfig`): each section holds the keys its policy reads, and may carry other
+policies' sections under their names for a file that configures a comparison
+(:meth:`PolicyConfig.for_policy`). Defaults of the program-aware policy are those published
+for the Dynamo port of ThunderAgent, moved where policy v2 says (architecture.md §3). Every
+validation error names the key it is about, with its full dotted path, so an operator can
+find the line to fix.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
+    create_model,
     model_validator,
 )
 
@@ -33,10 +38,6 @@ Positive = Annotated[float, Field(gt=0.0)]
 # its context: the thrash that pausing exists to prevent.
 Fraction = Annotated[float, Field(ge=0.0, le=2.0)]
 
-
-# The policies whose section is RouterConfig.
-RouterName = Literal["round_robin", "least_loaded", "kv_aware", "sticky_least_loaded", "continuum",
-                     "autellix"]
 
 # How far below pause_threshold a pause pass stops when pause_target is not given.
 PAUSE_TARGET_GAP = 0.02
@@ -72,38 +73,6 @@ class RetentionConfig(_Strict):
     prefetch_predicted: bool = True
 
 
-class BaselineConfig(_Strict):
-    """Parameters of the baselines (docs/architecture.md §4); each policy's docstring gives its source."""
-
-    # least_loaded (VERL): sessions remembered for stickiness.
-    sticky_lru_size: Annotated[int, Field(ge=1)] = 10_000
-    # kv_aware (Dynamo KV router): weight of prefix overlap against load.
-    kv_overlap_score_weight: NonNegative = 1.0
-    # thunderagent: the published scheduler interval (its tick; ThunderAgentConfig reads it).
-    thunderagent_tick_s: Positive = 5.0
-    # continuum: TTL a program's KV is pinned for after each response — the cold-start
-    # value, then this quantile of observed tool times, capped.
-    continuum_ttl_s: Positive = 2.0
-    continuum_ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
-    continuum_max_ttl_s: Positive = 60.0
-    continuum_pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
-    # autellix (arXiv 2502.13965): a call of at most this many prompt tokens goes to the
-    # least-used engine, a longer one to its program's engine (Algorithm 2: 2048).
-    autellix_short_call_tokens: Annotated[int, Field(ge=0)] = 2048
-    # autellix PLAS queues: K queues, Q_1 = [0, first_queue_s), each later bound `growth`
-    # times the one before. The paper publishes no values; Sluice's, sized to agent turns.
-    autellix_queues: Annotated[int, Field(ge=1, le=64)] = 8
-    autellix_first_queue_s: Positive = 1.0
-    autellix_queue_growth: Annotated[float, Field(gt=1.0)] = 2.0
-    # autellix anti-starvation β: a call enters Q_1 when its program's waiting time is at
-    # least β times its attained service (§4.2.2; no value published: Sluice's choice).
-    autellix_starvation_ratio: Positive = 8.0
-    # autellix attained service from usage: seconds per output token (one decode step) and
-    # per computed prompt token (sim/step_time.py's llama3.1-8b-h100 preset).
-    autellix_decode_token_s: Positive = 0.02
-    autellix_prefill_token_s: Positive = 3.6e-5
-
-
 # With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
 # in host memory instead of being lost, so the policy may count less of what waits: programs
 # turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
@@ -120,53 +89,80 @@ def _host_tier_in(retention: Any) -> bool:
     return isinstance(retention, dict) and retention.get("host_tier") is True
 
 
+def _carried() -> Any:
+    """A field holding a section of another policy: read only when that policy runs from the
+    same file (:meth:`PolicyConfig.for_policy`), so it is left out of the running config's
+    dump."""
+    return Field(default=None, exclude=True, repr=False)
+
+
 class PolicyConfig(_Strict):
-    """The ``policy:`` section: one section per policy, chosen by ``name``.
+    """The ``policy:`` section: one section per policy, chosen by ``name``
+    (:data:`AnyPolicyConfig`, the union pydantic validates).
 
     The keys every policy reads live here; each section adds its own, and a key that
     belongs to another policy is an error naming it (a baseline carries no program-aware
-    keys). ``PolicyConfig(**keys)`` builds the section ``keys["name"]`` chooses (the default
-    is ``program_aware``), as :func:`make_policy_config` does for a mapping.
-
-    ``baselines`` is in every section so that one file can tune a comparison of several
-    policies (``sluice sim --policy a,b --config``, a sweep): each policy reads its own knobs.
+    keys). A section may also carry the sections of other policies, each under its
+    policy's name (``autellix: {queues: 4}``): one file then configures a comparison of
+    several policies (``sluice sim --policy a,b --config``, a sweep), each reading its own
+    (:meth:`for_policy`). The fields below the shared keys are that table of sections, in
+    the order :data:`POLICY_NAMES` lists them.
     """
 
     name: str
-    baselines: BaselineConfig = BaselineConfig()
     idle_release_s: Positive = 600.0
     # Tokens a REASONING call may still add (its output): what every policy's ledger counts
     # for a call in flight. Sluice's own default, sized to a typical agent turn (see
     # sim/workloads.py for the output-length distribution).
     growth_reserve_tokens: Annotated[int, Field(ge=0)] = 512
+    # Deprecated: every baseline's keys in one bag; read once, to move each key to its
+    # policy's section (:data:`BASELINE_KEYS_MOVED`), so a built section never holds it.
+    baselines: BaselineConfig | None = _carried()
+
+    program_aware: ProgramAwareConfig | None = _carried()
+    thunderagent: ThunderAgentConfig | None = _carried()
+    round_robin: RouterConfig | None = _carried()
+    least_loaded: LeastLoadedConfig | None = _carried()
+    kv_aware: KvAwareConfig | None = _carried()
+    sticky_least_loaded: RouterConfig | None = _carried()
+    continuum: ContinuumConfig | None = _carried()
+    autellix: AutellixConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
-    def __new__(cls, *args: Any, **keys: Any) -> PolicyConfig:
-        if cls is PolicyConfig:
-            # The base names no policy: build the section the name chooses.
-            cls = section_class(keys.get("name", DEFAULT_POLICY))
-        return super().__new__(cls)
-
     @property
     def deprecation_notes(self) -> tuple[str, ...]:
-        """Deprecated keys this section was read with, each with what to write instead."""
-        return self._deprecation_notes
+        """Deprecated keys this section (and the sections it carries) was read with, each
+        with what to write instead."""
+        carried = tuple(note for section in self.other_sections().values()
+                        for note in section.deprecation_notes)
+        return (*self._deprecation_notes, *carried)
 
-    @model_validator(mode="before")
+    def other_sections(self) -> dict[str, PolicyConfig]:
+        """The sections of other policies this one carries, by policy name."""
+        return {name: section for name in POLICY_NAMES
+                if (section := getattr(self, name)) is not None}
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _keys_of_other_policies(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            name = data.get("name", "this policy")
-            for key in data:
-                if key in cls.model_fields or key == "soft_band_penalty" and cls is ProgramAwareConfig:
-                    continue
-                owners = [section for section in _SECTIONS if key in section.model_fields
-                          or key == "soft_band_penalty" and section is ProgramAwareConfig]
-                if owners:
-                    raise ValueError(f"{key}: a key of {_section_names(owners)}; {name} does not "
-                                     "take it")
-        return data
+    def _one_section(cls, data: Any, handler: Any) -> PolicyConfig:
+        """Refuse the keys of other policies, name the sections carried, and move the keys
+        of the deprecated ``baselines:`` bag to their sections (with a note that is both
+        emitted and kept on the config, ``deprecation_notes``)."""
+        if not isinstance(data, dict):
+            return handler(data)
+        name = data.get("name", cls.model_fields["name"].default)
+        _refuse_keys_of_other_policies(cls, data, name)
+        data = _name_the_sections_carried(data, name)
+        config = handler(data)
+        if config.baselines is None:
+            return config
+        data, notes = _move_baseline_keys(data, config.baselines, config.name)
+        config = handler(data)
+        config._deprecation_notes = (*config._deprecation_notes, *notes)
+        for note in notes:
+            warnings.warn(note, FutureWarning, stacklevel=2)
+        return config
 
     def for_host_tier(self) -> PolicyConfig:
         """This section for workers that have a host KV tier (a policy that knows the tier
@@ -174,14 +170,16 @@ class PolicyConfig(_Strict):
         return self
 
     def for_policy(self, name: str) -> PolicyConfig:
-        """This section as the section of policy ``name``: the keys both take, carried over
-        (how one file configures a comparison of several policies)."""
+        """The section policy ``name`` runs with from this file: its own section carried
+        here (if any), over the keys both sections take, carried over from this one."""
         if name == self.name:
             return self
         target = section_class(name)
-        shared = {key: getattr(self, key) for key in target.model_fields
-                  if key != "name" and key in type(self).model_fields}
-        return target(name=name, **shared)
+        carried = {key: getattr(self, key) for key in target.model_fields
+                   if key in type(self).model_fields and key not in _NOT_CARRIED}
+        own = getattr(self, name)
+        keys = own.model_dump(exclude_unset=True) if own is not None else {}
+        return target.model_validate({**carried, **keys, "name": name})
 
 
 class ProgramAwareConfig(PolicyConfig):
@@ -277,7 +275,7 @@ class ProgramAwareConfig(PolicyConfig):
         (with the tier defaults of the keys left unset), unless the section set it itself."""
         if "host_tier" in self.retention.model_fields_set:
             return self
-        keys = self.model_dump(exclude_unset=True)
+        keys = {**self.model_dump(exclude_unset=True), **self.other_sections()}
         keys["retention"] = {**keys.get("retention", {}), "host_tier": True}
         return type(self).model_validate(keys)
 
@@ -301,54 +299,209 @@ class ProgramAwareConfig(PolicyConfig):
         return self
 
 
-class RouterConfig(PolicyConfig):
-    """The section of a router without admission control (round_robin, least_loaded,
-    kv_aware, sticky_least_loaded) and of continuum and autellix; their knobs are under
-    ``baselines``."""
-
-    name: RouterName
-    tick_interval_s: Positive = 1.0
-
-
 class ThunderAgentConfig(PolicyConfig):
     """ThunderAgent as published: only what the published code lets an operator set. Its
-    thresholds are pinned (scheduler/policies/thunderagent.py); its tick is
-    ``baselines.thunderagent_tick_s``."""
+    thresholds are pinned (scheduler/policies/thunderagent.py)."""
 
     name: Literal["thunderagent"] = "thunderagent"
     force_resume_after_s: Positive = 1800.0
     acting_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    # The published scheduler interval (its --scheduler-interval): its tick, and its only one.
+    # Not named tick_interval_s so that a comparison's file does not hand it program_aware's.
+    scheduler_interval_s: Positive = 5.0
 
     @property
     def tick_interval_s(self) -> float:
-        return self.baselines.thunderagent_tick_s
+        return self.scheduler_interval_s
+
+
+class _Router(PolicyConfig):
+    """The keys of a router without admission control (every call admitted on arrival)."""
+
+    tick_interval_s: Positive = 1.0
+
+
+class RouterConfig(_Router):
+    """The section of the routers without keys of their own: round_robin and
+    sticky_least_loaded (scheduler/policies/routing.py)."""
+
+    name: Literal["round_robin", "sticky_least_loaded"]
+
+
+class LeastLoadedConfig(_Router):
+    """VERL's least-loaded balancer (scheduler/policies/routing.py)."""
+
+    name: Literal["least_loaded"] = "least_loaded"
+    # Sessions remembered for stickiness (VERL's routing cache size).
+    sticky_lru_size: Annotated[int, Field(ge=1)] = 10_000
+
+
+class KvAwareConfig(_Router):
+    """Dynamo's KV router (scheduler/policies/routing.py)."""
+
+    name: Literal["kv_aware"] = "kv_aware"
+    # Weight of prefix overlap against load (Dynamo's --router-kv-overlap-score-weight).
+    kv_overlap_score_weight: NonNegative = 1.0
+
+
+class ContinuumConfig(_Router):
+    """Continuum's TTL pinning (scheduler/policies/continuum.py): a program's KV is pinned
+    after each response for the cold-start TTL, then this quantile of observed tool times,
+    capped."""
+
+    name: Literal["continuum"] = "continuum"
+    ttl_s: Positive = 2.0
+    ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    max_ttl_s: Positive = 60.0
+    pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
+
+
+class AutellixConfig(_Router):
+    """Autellix, arXiv 2502.13965 (scheduler/policies/autellix.py says where each value
+    comes from)."""
+
+    name: Literal["autellix"] = "autellix"
+    # A call of at most this many prompt tokens goes to the least-used engine, a longer one
+    # to its program's engine (Algorithm 2: 2048).
+    short_call_tokens: Annotated[int, Field(ge=0)] = 2048
+    # PLAS queues: K queues, Q_1 = [0, first_queue_s), each later bound `queue_growth` times
+    # the one before. The paper publishes no values; Sluice's, sized to agent turns.
+    queues: Annotated[int, Field(ge=1, le=64)] = 8
+    first_queue_s: Positive = 1.0
+    queue_growth: Annotated[float, Field(gt=1.0)] = 2.0
+    # Anti-starvation β: a call enters Q_1 when its program's waiting time is at least β
+    # times its attained service (§4.2.2; no value published: Sluice's choice).
+    starvation_ratio: Positive = 8.0
+    # Attained service from usage: seconds per output token (one decode step) and per
+    # computed prompt token (sim/step_time.py's llama3.1-8b-h100 preset).
+    decode_token_s: Positive = 0.02
+    prefill_token_s: Positive = 3.6e-5
 
 
 DEFAULT_POLICY = "program_aware"
-_SECTIONS: tuple[type[PolicyConfig], ...] = (ProgramAwareConfig, ThunderAgentConfig, RouterConfig)
-_UNION_TAGS = ("program_aware", "thunderagent", "router")
 
 
-def _section_names(sections: list[type[PolicyConfig]]) -> str:
-    return " / ".join(name for section in sections for name in _names_of(section))
+def _carried_section_type(annotation: Any) -> type[PolicyConfig] | None:
+    """The section type of a field ``X | None`` whose X is a policy section, else None."""
+    for arg in get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, PolicyConfig):
+            return arg
+    return None
 
 
-def _names_of(section: type[PolicyConfig]) -> tuple[str, ...]:
-    return get_args(section.model_fields["name"].annotation)
+# Where each key of the deprecated ``baselines:`` bag now lives: its section and its key there.
+_BASELINE_KEYS: dict[str, tuple[type[PolicyConfig], str]] = {
+    "sticky_lru_size": (LeastLoadedConfig, "sticky_lru_size"),
+    "kv_overlap_score_weight": (KvAwareConfig, "kv_overlap_score_weight"),
+    "thunderagent_tick_s": (ThunderAgentConfig, "scheduler_interval_s"),
+    "continuum_ttl_s": (ContinuumConfig, "ttl_s"),
+    "continuum_ttl_quantile": (ContinuumConfig, "ttl_quantile"),
+    "continuum_max_ttl_s": (ContinuumConfig, "max_ttl_s"),
+    "continuum_pin_priority": (ContinuumConfig, "pin_priority"),
+    "autellix_short_call_tokens": (AutellixConfig, "short_call_tokens"),
+    "autellix_queues": (AutellixConfig, "queues"),
+    "autellix_first_queue_s": (AutellixConfig, "first_queue_s"),
+    "autellix_queue_growth": (AutellixConfig, "queue_growth"),
+    "autellix_starvation_ratio": (AutellixConfig, "starvation_ratio"),
+    "autellix_decode_token_s": (AutellixConfig, "decode_token_s"),
+    "autellix_prefill_token_s": (AutellixConfig, "prefill_token_s"),
+}
+# The same, by policy name: what a deprecation note names.
+BASELINE_KEYS_MOVED: dict[str, tuple[str, str]] = {
+    old: (section.model_fields["name"].default, key) for old, (section, key) in _BASELINE_KEYS.items()
+}
 
+# The deprecated bag's fields are its keys' fields in their new sections (the same types and
+# bounds), so a wrong value is refused naming the key where the file wrote it
+# (policy.baselines.…). Read only to move each key (:func:`_move_baseline_keys`).
+BaselineConfig = create_model(  # type: ignore[call-overload]
+    "BaselineConfig", __base__=_Strict,
+    __doc__="The deprecated ``baselines:`` bag: every baseline's keys in one section.",
+    **{old: (section.model_fields[key].annotation, section.model_fields[key])
+       for old, (section, key) in _BASELINE_KEYS.items()},
+)
 
-# Every policy a config can name, derived from the sections (the registry in
-# scheduler.policies maps each to its class, and a test keeps the two equal).
-POLICY_NAMES: tuple[str, ...] = tuple(name for section in _SECTIONS for name in _names_of(section))
+for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, _Router, RouterConfig,
+                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig):
+    _section.model_rebuild()
+
+# Every policy a config can name, with its section: the sections PolicyConfig can carry
+# (the registry in scheduler.policies maps each name to its class, and a test keeps the two
+# equal).
+_SECTION_OF: dict[str, type[PolicyConfig]] = {
+    key: section for key, field in PolicyConfig.model_fields.items()
+    if key != "baselines" and (section := _carried_section_type(field.annotation)) is not None
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_SECTION_OF)
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]
+# Keys for_policy never carries from one section to another: the name, and the sections.
+_NOT_CARRIED = frozenset({"name", "baselines", *POLICY_NAMES})
 
 
 def section_class(name: str) -> type[PolicyConfig]:
     """The config section of policy ``name``."""
-    for section in _SECTIONS:
-        if name in _names_of(section):
-            return section
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+    try:
+        return _SECTION_OF[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
+
+
+def _refuse_keys_of_other_policies(section: type[PolicyConfig], data: dict[str, Any],
+                                   name: Any) -> None:
+    for key in data:
+        owners = [policy for policy, other in _SECTION_OF.items() if key in other.model_fields
+                  or key == "soft_band_penalty" and other is ProgramAwareConfig]
+        if owners and section not in map(_SECTION_OF.get, owners):
+            where = (f" (for {owners[0]} when it runs from this file: {owners[0]}.{key})"
+                     if len(owners) == 1 else "")
+            raise ValueError(f"{key}: a key of {' / '.join(owners)}; {name} does not take it{where}")
+
+
+def _name_the_sections_carried(data: dict[str, Any], name: Any) -> dict[str, Any]:
+    """``data`` with each section it carries named after its key; a section of the policy
+    itself, or one inside another carried section, is refused naming its place."""
+    named = dict(data)
+    for key in POLICY_NAMES:
+        carried = data.get(key)
+        if carried is None:
+            continue
+        if key == name:
+            raise ValueError(f"{key}: the keys of {name} itself go in this section, not under {key}")
+        if not isinstance(carried, dict):
+            continue  # a built section, or a wrong type that validation names
+        nested = [inner for inner in carried if inner in POLICY_NAMES or inner == "baselines"]
+        if nested:
+            raise ValueError(f"{key}.{nested[0]}: sections do not nest; write it at the policy "
+                             f"section's top level, as {nested[0]}")
+        if carried.get("name", key) != key:
+            raise ValueError(f"{key}.name: the section under {key} is {key}'s, "
+                             f"not {carried['name']!r}")
+        named[key] = {**carried, "name": key}
+    return named
+
+
+def _move_baseline_keys(data: dict[str, Any], baselines: Any, name: str
+                        ) -> tuple[dict[str, Any], list[str]]:
+    """``data`` with the keys its ``baselines:`` bag set moved to their policies' sections
+    (the policy's own keys into this section), and a note for each."""
+    moved = {key: value for key, value in data.items() if key != "baselines"}
+    notes = []
+    for old in sorted(baselines.model_fields_set, key=list(BASELINE_KEYS_MOVED).index):
+        policy, key = BASELINE_KEYS_MOVED[old]
+        if policy == name:
+            section, where = moved, key
+        else:
+            carried = moved.get(policy)
+            section = (dict(carried) if isinstance(carried, dict)
+                       else carried.model_dump(exclude_unset=True) if carried is not None
+                       else {"name": policy})
+            moved[policy], where = section, f"{policy}.{key}"
+        if key in section:
+            raise ValueError(f"baselines.{old} and {where} both set: keep only {where} "
+                             f"(baselines.{old} is its deprecated place)")
+        section[key] = getattr(baselines, old)
+        notes.append(f"policy.baselines.{old} is deprecated: read as policy.{where}; move the key")
+    return moved, notes
 
 
 def _policy_name(data: Any) -> str:
@@ -360,13 +513,8 @@ def _policy_name(data: Any) -> str:
 # A policy section as pydantic validates it: a union discriminated by ``name`` (absent: the
 # default policy). Use it as a field's type; :func:`make_policy_config` validates a mapping.
 AnyPolicyConfig = Annotated[
-    Union[
-        Annotated[ProgramAwareConfig, Tag("program_aware")],
-        Annotated[ThunderAgentConfig, Tag("thunderagent")],
-        Annotated[RouterConfig, Tag("router")],
-    ],
-    Discriminator(lambda data: {"program_aware": "program_aware", "thunderagent": "thunderagent"}
-                  .get(_policy_name(data), "router")),
+    Union[tuple(Annotated[section, Tag(name)] for name, section in _SECTION_OF.items())],  # type: ignore[valid-type]
+    Discriminator(_policy_name),
 ]
 
 
@@ -392,7 +540,7 @@ def format_validation_errors(err: ValidationError, prefix: str) -> str:
     lines = []
     for item in err.errors():
         parts = item["loc"]
-        if parts and parts[0] in _UNION_TAGS:
+        if parts and parts[0] in POLICY_NAMES:
             parts = parts[1:]  # the union's tag: which section was read, not a key
         loc = ".".join(str(part) for part in parts)
         msg = item["msg"].removeprefix("Value error, ")

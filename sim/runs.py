@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler.config import PolicyConfig
+from scheduler.config import PolicyConfig, ProgramAwareConfig
 from scheduler.policies import make_policy
 from sim.programs import ProgramSpec
 from sim.report import Progress
@@ -126,7 +126,7 @@ def run_policies(
         runs.append((CEILING, CEILING_POLICY, model.kv_capacity_tokens // size * CEILING_KV_FACTOR))
     results = []
     for shown, name, num_blocks in runs:
-        policy_for_run = (policy_config or PolicyConfig()).for_policy(name)
+        policy_for_run = (policy_config or ProgramAwareConfig()).for_policy(name)
         if model.kv_offload_gib > 0:
             policy_for_run = policy_for_run.for_host_tier()  # the policy knows its fleet's tier
         policy = make_policy(policy_for_run)

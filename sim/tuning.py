@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from scheduler.config import PolicyConfig, make_policy_config, section_class
+from scheduler.config import PolicyConfig, make_policy_config
 from sim.programs import ProgramSpec
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, run_policies, trace_span_s,
                       workload_feed)
@@ -128,7 +128,7 @@ def search_space(policy: str) -> tuple[Dimension, ...]:
 
 def default_params(policy: str) -> dict[str, float | int]:
     """The search parameters of the policy's default section (trial 0)."""
-    defaults = section_class(policy)(name=policy)
+    defaults = make_policy_config({"name": policy})
     params: dict[str, float | int] = {}
     for dim in search_space(policy):
         if dim.key == PAUSE_TARGET_GAP:

@@ -3,21 +3,21 @@
 
 A ZMQ PULL socket (bound if the endpoint holds ``*`` or ``::`` or is ``ipc://`` /
 ``inproc://``, else connected, like the KV-event sockets) receives KvHint envelopes from the
-gateway's directive sender and applies ``kv.retain`` / ``kv.demote`` / ``kv.release`` to the
-engine's block pool, whose retention classes are the plugin's (the fidelity test keeps them
-equal), and ``kv.offload`` / ``kv.prefetch`` to the engine's host tier as the plugin does on
-vLLM's offloading manager (:meth:`sim.engine.Engine.offload`, ``prefetch``). Envelopes are decoded by the plugin's own envelope module
-(:mod:`sluice_vllm_plugin.directive_envelope`), so both engines accept and reject exactly the
-same input. Directives run on the event loop between engine
-iterations, as the plugin applies them between scheduler steps; a TTL counts in virtual time
-from arrival. A malformed envelope is dropped, counted and logged; nothing here stops the
-worker.
+gateway's directive sender and applies each action by the method named after its verb, as the
+plugin does: ``kv.retain`` / ``kv.demote`` / ``kv.release`` to the engine's block pool, whose
+retention classes are the plugin's (the fidelity test keeps them equal), and ``kv.offload`` /
+``kv.prefetch`` to the engine's host tier as the plugin does on vLLM's offloading manager
+(:meth:`sim.engine.Engine.offload`, ``prefetch``). Envelopes are decoded by the plugin's own
+envelope module (:mod:`sluice_vllm_plugin.directive_envelope`), so both engines accept and
+reject exactly the same input. Directives run on the event loop between engine iterations, as
+the plugin applies them between scheduler steps; a TTL or a prefetch deadline counts in
+virtual time from arrival. A malformed envelope is dropped, counted and logged; nothing here
+stops the worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import assert_never
 
 import structlog
 import zmq
@@ -25,12 +25,12 @@ import zmq.asyncio
 
 from sim.engine import Engine
 from sluice_vllm_plugin.directive_envelope import (
-    KvDemote,
-    KvOffload,
-    KvPrefetch,
-    KvRelease,
-    KvRetain,
+    OffloadPayload,
+    PrefetchPayload,
+    RetainPayload,
+    SessionPayload,
     decode,
+    verb_of,
 )
 
 
@@ -85,22 +85,27 @@ class DirectiveSocket:
             self._log.warning("malformed directive envelope dropped", problem=str(err),
                               dropped=self.dropped)
             return
-        engine, now = self._engine, self._clock()
+        now = self._clock()
         for action in envelope.actions:
-            match action:
-                case KvRetain(payload=payload):
-                    engine.pool.retain(payload.session_id, payload.priority, payload.ttl_s, now)
-                case KvDemote(payload=payload):
-                    engine.pool.demote(payload.session_id)
-                case KvRelease(payload=payload):
-                    engine.release_session(payload.session_id)
-                case KvOffload(payload=payload):
-                    engine.offload(payload.session_id)
-                case KvPrefetch(payload=payload):
-                    engine.prefetch(payload.session_id, payload.priority, payload.deadline_s, now)
-                case _:
-                    assert_never(action)
+            getattr(self, verb_of(action))(action.payload, now)
             self.applied += 1
+
+    # the verbs: each takes its action's payload and when it arrived
+
+    def retain(self, payload: RetainPayload, now: float) -> None:
+        self._engine.pool.retain(payload.session_id, payload.priority, payload.ttl_s, now)
+
+    def demote(self, payload: SessionPayload, now: float) -> None:
+        self._engine.pool.demote(payload.session_id)
+
+    def release(self, payload: SessionPayload, now: float) -> None:
+        self._engine.release_session(payload.session_id)
+
+    def offload(self, payload: OffloadPayload, now: float) -> None:
+        self._engine.offload(payload.session_id)
+
+    def prefetch(self, payload: PrefetchPayload, now: float) -> None:
+        self._engine.prefetch(payload.session_id, payload.priority, payload.deadline_s, now)
 
     async def serve(self) -> None:
         """Receive and apply envelopes until cancelled."""

@@ -19,8 +19,10 @@ applies the patches anywhere, ``SLUICE_PLUGIN=off`` nowhere.
 Every KV-event message also carries the publisher's per-start epoch as a fourth frame
 (:mod:`sluice_vllm_plugin.epoch`; ``SLUICE_PUBLISHER_EPOCH=off`` turns it off).
 
-When ``SLUICE_DIRECTIVE_ENDPOINT`` is set the engine core also listens there for retention
-directives (:mod:`sluice_vllm_plugin.directives`).
+When ``SLUICE_DIRECTIVE_ENDPOINT`` is set the engine core also listens there for retention and
+host-tier directives (:mod:`sluice_vllm_plugin.directives`). The host-tier patches
+(:mod:`sluice_vllm_plugin.host_tier`, built on :mod:`sluice_vllm_plugin.retention`) apply only
+where vLLM has its offloading manager.
 
 On a vLLM other than 0.32.x ``register()`` logs one line and does nothing.
 

@@ -15,7 +15,15 @@ One KvHint-shaped envelope per message, as JSON (a message that starts with ``{`
 (optional) for ``kv.prefetch``; ``action_id`` and ``action_version`` are carried for tracing and
 may be left out.) ``kv.offload`` and ``kv.prefetch`` address the host KV tier (vLLM's offloading
 connector) in the same coordinates as retention: what they do is in
-:mod:`sluice_vllm_plugin.host_tier`. Keys this version does not know are
+:mod:`sluice_vllm_plugin.host_tier`.
+
+:data:`KvAction` is the table of directive verbs: the core's directive of each verb
+(``scheduler/actions.py``, named alike: ``Retain`` has ``verb = "retain"``) becomes its action
+by :func:`kv_action`, its payload read off the directive's fields of the same names, and every
+engine applies an action by the method named after its verb (:func:`verb_of`), with its typed
+payload. A new verb is a struct here and a directive there, and the methods that carry it out.
+
+Keys this version does not know are
 ignored, so a newer sender's additions reach an older engine harmlessly; a wrong type, a value
 out of range, an unknown ``action_type`` or another ``protocol_version`` rejects the whole
 envelope (:func:`decode` raises ``ValueError``). It lives in the plugin package, which vLLM's
@@ -24,7 +32,7 @@ environment installs on its own, and imports nothing but msgspec (a vLLM depende
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -100,6 +108,27 @@ class KvPrefetch(msgspec.Struct, frozen=True, tag_field="action_type", tag="kv.p
 
 
 KvAction = KvRetain | KvDemote | KvRelease | KvOffload | KvPrefetch
+
+# Each action's struct and its payload's, by verb ("retain" for kv.retain).
+_ACTIONS: dict[str, tuple[type, type]] = {
+    action.__struct_config__.tag.removeprefix("kv."):
+        (action, next(field.type for field in msgspec.structs.fields(action) if field.name == "payload"))
+    for action in get_args(KvAction)
+}
+VERBS: tuple[str, ...] = tuple(_ACTIONS)
+
+
+def verb_of(action: KvAction) -> str:
+    """``retain`` for a ``kv.retain`` action: what an engine's method applying it is named."""
+    return action.__struct_config__.tag.removeprefix("kv.")
+
+
+def kv_action(verb: str, directive: Any, action_id: str = "") -> KvAction:
+    """The ``kv.<verb>`` action of ``directive``: its payload's fields are the directive's
+    attributes of the same names."""
+    action, payload = _ACTIONS[verb]
+    return action(payload(**{name: getattr(directive, name) for name in payload.__struct_fields__}),
+                  action_id)
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -1,15 +1,16 @@
-"""The directive socket: KvHint-shaped envelopes in, retention and host-tier directives out.
+"""The directive socket: KvHint-shaped envelopes in, their actions posted to the block pools.
 
 The engine core binds a ZMQ PULL socket at ``SLUICE_DIRECTIVE_ENDPOINT`` (e.g. ``tcp://*:5590``;
 unset means no socket), offset by the data-parallel rank the way vLLM offsets its KV-event
 endpoint (``ZmqEventPublisher.offset_endpoint_port``: tcp port + rank, ``inproc`` gets
 ``_dp<rank>``). The rank is read from the engine-core process name ``EngineCore_DP<rank>``
 (0 otherwise). A background thread receives one envelope per message (the wire format:
-:mod:`sluice_vllm_plugin.directive_envelope`, shared with the gateway and the simworker). Each valid action is posted to every
-patched block pool's inbox (:func:`retention.post`), so it is applied on the scheduler's thread at
-the next allocation, never concurrently with one. A malformed envelope or action is dropped with a
-counter and a log line; nothing here can raise into the engine. Retention is per session for
-now: a ``continuation_id`` in the payload is accepted and ignored.
+:mod:`sluice_vllm_plugin.directive_envelope`, shared with the gateway and the simworker). Each
+action of a valid envelope is posted, as it was decoded, to every patched block pool's inbox
+(:func:`retention.post`), so it is applied on the scheduler's thread at the next allocation,
+never concurrently with one. A malformed envelope is dropped whole with a counter and a log
+line; nothing here can raise into the engine. Retention is per session for now: a
+``continuation_id`` in the payload is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from .directive_envelope import KvDemote, KvOffload, KvPrefetch, KvRelease, KvRetain, decode
+from .directive_envelope import KvAction, decode
 
 logger = logging.getLogger("sluice.vllm_plugin.directives")
 
@@ -43,11 +44,13 @@ def resolve_endpoint(endpoint: str, rank: int) -> str:
 
 
 class DirectiveServer:
-    """PULL socket on a daemon thread; ``post`` receives each valid directive."""
+    """PULL socket on a daemon thread; ``post`` receives each action of a valid envelope."""
 
-    def __init__(self, endpoint: str, post: Callable[..., None] | None = None) -> None:
+    def __init__(self, endpoint: str, post: Callable[[KvAction], None] | None = None) -> None:
         import zmq
         if post is None:
+            # here, not at the top: retention imports vLLM, which this module needs only once
+            # a server starts (it imports without vLLM, as tests/unit/test_layering.py does)
             from . import retention
             post = retention.post
         self.endpoint = endpoint
@@ -73,18 +76,7 @@ class DirectiveServer:
                            exc, self.dropped)
             return
         for action in envelope.actions:
-            match action:
-                case KvRetain(payload=payload):
-                    self._post("retain", payload.session_id, payload.priority, payload.ttl_s)
-                case KvDemote(payload=payload):
-                    self._post("demote", payload.session_id)
-                case KvRelease(payload=payload):
-                    self._post("release", payload.session_id)
-                case KvOffload(payload=payload):
-                    self._post("offload", payload.session_id)
-                case KvPrefetch(payload=payload):
-                    deadline = float("inf") if payload.deadline_s is None else payload.deadline_s
-                    self._post("prefetch", payload.session_id, payload.priority, deadline)
+            self._post(action)
             self.applied += 1
 
     def _run(self) -> None:

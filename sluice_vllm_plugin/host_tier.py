@@ -30,8 +30,10 @@ that loads blocks without a request, so the directives act on what vLLM offers:
 Without a directive the policy's ``evict`` is called exactly as vLLM calls it.
 
 Directives reach here through the GPU pool's inbox (:meth:`retention.Retention.drain`, on the
-scheduler's thread); ``prepare_store`` drains pending inboxes first, so a directive posted
-between allocations is applied before the tier next evicts.
+scheduler's thread), which reaches every tier :func:`install` attached
+(:func:`retention.attach_host_tier`); ``prepare_store`` drains pending inboxes first, so a
+directive posted between allocations is applied before the tier next evicts. This module builds
+on :mod:`sluice_vllm_plugin.retention`, never the other way round.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import weakref
 from typing import Any, Callable, Iterable
 
 from vllm.v1.core.kv_cache_utils import (BlockHash, get_block_hash, get_group_id,
@@ -47,6 +48,7 @@ from vllm.v1.core.kv_cache_utils import (BlockHash, get_block_hash, get_group_id
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu import manager as _cpu_manager
 
+from . import retention
 from .patching import MethodPatches, then
 
 logger = logging.getLogger("sluice.vllm_plugin.host_tier")
@@ -54,7 +56,6 @@ logger = logging.getLogger("sluice.vllm_plugin.host_tier")
 CPUOffloadingManager = _cpu_manager.CPUOffloadingManager
 _VLLM_LOOKUP = CPUOffloadingManager.lookup
 _ATTR = "_sluice_host_tier"
-_tiers: "weakref.WeakSet[HostTier]" = weakref.WeakSet()
 # lookup/touch take a request context; the CPU manager and its LRU/ARC policies do not read it
 # for these calls, and a directive is no request of vLLM's
 _DIRECTIVE_CONTEXT = ReqContext(req_id="sluice-directive")
@@ -113,8 +114,10 @@ class HostTier:
         lookup = self.manager.lookup
         return [k for k in keys if lookup(k, _DIRECTIVE_CONTEXT) in _HELD]
 
-    def offload(self, session: str, keys: list) -> list:
-        """Park the session's keys the tier holds; the others are counted in ``not_held``."""
+    def offload(self, session: str, blocks: Iterable[Any]) -> list:
+        """Park the keys of the session's GPU blocks that the tier holds; the others are
+        counted in ``not_held``."""
+        keys = offload_keys(blocks)
         held = self.held(keys)
         self.not_held += len(keys) - len(held)
         parked = self.parked.setdefault(session, [])
@@ -125,12 +128,12 @@ class HostTier:
         return held
 
     def prefetch(self, session: str, priority: int, deadline_s: float, now: float,
-                 keys: list) -> list:
-        """Favour the session's parked keys and ``keys`` the tier holds, until ``deadline_s``
-        from ``now`` (``inf``: until loaded or released)."""
+                 blocks: Iterable[Any]) -> list:
+        """Favour the session's parked keys and the keys of its GPU ``blocks`` the tier holds,
+        until ``deadline_s`` from ``now`` (``inf``: until loaded or released)."""
         candidates = list(self.parked.get(session, ()))
         known = set(candidates)
-        candidates.extend(k for k in keys if k not in known)
+        candidates.extend(k for k in offload_keys(blocks) if k not in known)
         held = self.held(candidates)
         self.favoured[session] = (max(0, min(100, int(priority))), now + deadline_s)
         self._favoured_keys[session] = held
@@ -208,12 +211,8 @@ def install(manager: Any) -> HostTier:
         return existing
     host = HostTier(manager)
     setattr(manager, _ATTR, host)
-    _tiers.add(host)
+    retention.attach_host_tier(host)
     return host
-
-
-def tiers() -> list[HostTier]:
-    return list(_tiers)
 
 
 # -- patches -------------------------------------------------------------------------------------
@@ -221,7 +220,6 @@ def tiers() -> list[HostTier]:
 def _wrap_prepare_store(orig):
     @functools.wraps(orig)
     def prepare_store(self, keys, req_context):
-        from . import retention
         retention.drain_all()
         return orig(self, keys, req_context)
     return prepare_store

@@ -18,13 +18,16 @@ keeping their relative LRU order (lazily, in O(1) for blocks already off the nor
 (wrapped to record ``request.session_id`` on the pool while it runs), or from
 :func:`freeing` for callers that drive a ``BlockPool`` directly.
 
-Directives (``retain``/``demote``/``release``) arrive on any thread through a thread-safe inbox
-(:meth:`Retention.post`, or :func:`post` for every pool in the process); they are applied on the
-scheduler's thread when the pool next allocates (``get_new_blocks``, in the free queue's
-``popleft_n``) or when :meth:`Retention.drain` is called between steps, never concurrently with an
-allocation. TTLs use ``Retention.clock``
-(``time.monotonic`` by default) from when the directive was posted. The ZMQ directive socket
-that posts here lives in :mod:`sluice_vllm_plugin.directives`.
+Directives (the envelope's actions, as decoded: :mod:`sluice_vllm_plugin.directive_envelope`)
+arrive on any thread through a thread-safe inbox (:meth:`Retention.post`, or :func:`post` for
+every pool in the process); they are applied on the scheduler's thread when the pool next
+allocates (``get_new_blocks``, in the free queue's ``popleft_n``) or when
+:meth:`Retention.drain` is called between steps, never concurrently with an allocation, each by
+the method named after its verb (``retain``, ``demote``, ``release``, ``offload``,
+``prefetch``). TTLs and prefetch deadlines use ``Retention.clock`` (``time.monotonic`` by
+default) from when the directive was posted. The ZMQ directive socket that posts here lives in
+:mod:`sluice_vllm_plugin.directives`; ``offload`` and ``prefetch`` reach the host tiers that
+:mod:`sluice_vllm_plugin.host_tier` attaches (:func:`attach_host_tier`).
 
 The class rules are written twice on purpose, here and in ``sim/block_pool.py``: this module runs
 inside vLLM's environment, where ``sim/`` (and its dependencies) cannot be imported.
@@ -47,6 +50,8 @@ from vllm.v1.core import block_pool as _bp
 from vllm.v1.core import kv_cache_manager as _kcm
 from vllm.v1.core import kv_cache_utils as _kcu
 
+from .directive_envelope import (KvAction, OffloadPayload, PrefetchPayload, RetainPayload,
+                                 SessionPayload, verb_of)
 from .patching import MethodPatches, then
 
 logger = logging.getLogger("sluice.vllm_plugin.retention")
@@ -740,10 +745,9 @@ class Retention:
         self._expiries: list[tuple[float, str]] = []
 
     # any thread
-    def post(self, action: str, session_id: str, priority: int = NORMAL_CLASS,
-             ttl_s: float = 0.0, at: float | None = None) -> None:
-        """Queue a directive; a retain's TTL runs from ``at`` (default: now, on ``clock``)."""
-        self.inbox.put((action, session_id, priority, ttl_s, self.clock() if at is None else at))
+    def post(self, action: KvAction, at: float | None = None) -> None:
+        """Queue a directive; its TTL or deadline runs from ``at`` (default: now, on ``clock``)."""
+        self.inbox.put((action, self.clock() if at is None else at))
 
     # scheduler thread
     def drain(self) -> int:
@@ -752,73 +756,81 @@ class Retention:
         # the scheduler's thread is the only consumer: not empty means the get succeeds (and
         # no queue.Empty is raised to end every drain)
         while not inbox.empty():
-            action, session_id, priority, ttl_s, at = inbox.get_nowait()
+            action, at = inbox.get_nowait()
             try:
-                if not isinstance(session_id, str) or not session_id:
-                    raise ValueError("session_id must be a non-empty string")
-                if action == "retain":
-                    self.retain(session_id, int(priority), float(ttl_s), at)
-                elif action == "demote":
-                    self.demote(session_id)
-                elif action == "release":
-                    self.release(session_id)
-                elif action == "offload":
-                    self.offload(session_id)
-                elif action == "prefetch":
-                    self.prefetch(session_id, int(priority), float(ttl_s), at)
-                else:
-                    raise ValueError(f"unknown action {action!r}")
+                self.apply(action, at)
                 n += 1
             except Exception as exc:  # never crash the engine on directive input
                 self.dropped += 1
                 logger.warning("sluice retention: dropped directive %r: %s", action, exc)
         return n
 
+    def apply(self, action: KvAction, at: float) -> None:
+        """Carry out one directive posted at ``at``: the method named after its verb."""
+        session_id = action.payload.session_id
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        getattr(self, verb_of(action))(action.payload, at)
+
     def class_of(self, session_id: str) -> int:
         entry = self._session_class.get(session_id)
         return NORMAL_CLASS if entry is None else entry[0]
 
-    def retain(self, session_id: str, priority: int, ttl_s: float, now: float) -> None:
-        cls = max(LOW_CLASS + 1, min(100, int(priority)))
-        expires = now + ttl_s
+    # the verbs: each takes its action's payload and when it was posted
+
+    def retain(self, payload: RetainPayload, at: float) -> None:
+        """``kv.retain``: the session's blocks in class ``priority`` until ``ttl_s`` from ``at``."""
+        session_id = payload.session_id
+        cls = max(LOW_CLASS + 1, min(100, int(payload.priority)))
+        expires = at + float(payload.ttl_s)
         self._session_class[session_id] = (cls, expires)
         heapq.heappush(self._expiries, (expires, session_id))
         self._reclass(session_id, cls)
 
-    def demote(self, session_id: str) -> None:
-        self._session_class[session_id] = (LOW_CLASS, float("inf"))
-        self._reclass(session_id, LOW_CLASS)
+    def demote(self, payload: SessionPayload, at: float) -> None:
+        """``kv.demote``: the session's blocks go first."""
+        self._demote(payload.session_id)
 
-    def release(self, session_id: str) -> None:
+    def release(self, payload: SessionPayload, at: float) -> None:
+        """``kv.release``: back to plain LRU, here and in the host tiers."""
+        session_id = payload.session_id
         self._session_class.pop(session_id, None)
         self._reclass(session_id, NORMAL_CLASS)
-        for host in _host_tiers():
+        for host in host_tiers():
             host.release(session_id)
 
-    def _session_offload_keys(self, session_id: str) -> list:
-        from .host_tier import offload_keys
-        return offload_keys(self.queue.owned(session_id)) if self.queue is not None else []
-
-    def offload(self, session_id: str) -> None:
+    def offload(self, payload: OffloadPayload, at: float) -> None:
         """``kv.offload`` (:mod:`sluice_vllm_plugin.host_tier`): park in the host tier, then
         demote on the GPU."""
-        hosts = _host_tiers()
+        session_id = payload.session_id
+        hosts = host_tiers()
         if hosts:
-            keys = self._session_offload_keys(session_id)
+            blocks = self._blocks_of(session_id)
             for host in hosts:
-                host.offload(session_id, keys)
-        self.demote(session_id)
+                host.offload(session_id, blocks)
+        self._demote(session_id)
 
-    def prefetch(self, session_id: str, priority: int, deadline_s: float, now: float) -> None:
-        """``kv.prefetch``: favour the session in the host tier; undo a demotion on the GPU."""
-        hosts = _host_tiers()
+    def prefetch(self, payload: PrefetchPayload, at: float) -> None:
+        """``kv.prefetch``: favour the session in the host tier until ``deadline_s`` from ``at``
+        (none: until its blocks are loaded); undo a demotion on the GPU."""
+        session_id, priority = payload.session_id, int(payload.priority)
+        deadline_s = float("inf") if payload.deadline_s is None else float(payload.deadline_s)
+        hosts = host_tiers()
         if hosts:
-            keys = self._session_offload_keys(session_id)
+            blocks = self._blocks_of(session_id)
             for host in hosts:
-                host.prefetch(session_id, priority, deadline_s, now, keys)
+                host.prefetch(session_id, priority, deadline_s, at, blocks)
         if self.class_of(session_id) == LOW_CLASS:
             self._session_class.pop(session_id, None)
             self._reclass(session_id, NORMAL_CLASS)
+
+    def _demote(self, session_id: str) -> None:
+        self._session_class[session_id] = (LOW_CLASS, float("inf"))
+        self._reclass(session_id, LOW_CLASS)
+
+    def _blocks_of(self, session_id: str) -> list:
+        """The session's free cached blocks (those its requests freed last)."""
+        return self.queue.owned(session_id) if self.queue is not None else []
 
     def expire(self, now: float) -> None:
         heap = self._expiries
@@ -834,10 +846,19 @@ class Retention:
             self.queue.reclass_session(session_id, cls)
 
 
-def _host_tiers() -> list:
-    """The host tiers in this process (none unless vLLM's offloading connector is on)."""
-    from . import host_tier
-    return host_tier.tiers()
+# The host tiers in this process (none unless vLLM's offloading connector is on): attached by
+# sluice_vllm_plugin.host_tier, which builds on this module (this one needs only their
+# release / offload / prefetch), and held weakly, as the pools are.
+_host_tiers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def attach_host_tier(host: Any) -> None:
+    """Let directives reach ``host`` (a :class:`sluice_vllm_plugin.host_tier.HostTier`)."""
+    _host_tiers.add(host)
+
+
+def host_tiers() -> list:
+    return list(_host_tiers)
 
 
 def drain_all() -> None:
@@ -867,13 +888,12 @@ def install(pool: Any) -> Retention:
     return r
 
 
-def post(action: str, session_id: str, priority: int = NORMAL_CLASS, ttl_s: float = 0.0) -> None:
+def post(action: KvAction) -> None:
     """Post a directive to every patched pool in this process (thread-safe)."""
     for pool in list(_pools):
-        state(pool).post(action, session_id, priority, ttl_s)
+        state(pool).post(action)
     if not _pools:
-        logger.debug("sluice retention: no block pool yet; directive %s for %s ignored",
-                     action, session_id)
+        logger.debug("sluice retention: no block pool yet; directive %r ignored", action)
 
 
 class freeing:

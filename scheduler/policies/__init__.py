@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.config import PolicyConfig
+from scheduler.config import PolicyConfig, ProgramAwareConfig
 from scheduler.policies.autellix import AutellixPolicy
 from scheduler.policies.base import Policy
 from scheduler.policies.continuum import ContinuumPolicy
@@ -31,9 +31,11 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(config: PolicyConfig | None = None, name: str | None = None) -> Policy:
-    """Build a fresh policy; ``name`` overrides ``config.name``, and the policy then reads
-    the keys its own section shares with ``config`` (one file configures a comparison)."""
-    config = config or PolicyConfig()
+    """Build a fresh policy (no config: program_aware's defaults); ``name`` overrides
+    ``config.name``, and the policy then reads the section ``config`` carries for it over the
+    keys both sections take (:meth:`PolicyConfig.for_policy`: one file configures a
+    comparison)."""
+    config = config or ProgramAwareConfig()
     if name is not None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -33,7 +33,7 @@ What the paper does, and how Sluice expresses it
   the call arrives (``W_c = T_c = 0``): a call of a program with ``W_p / T_p ≥ β`` enters
   ``Q_1``. Like the paper, promotion resets nothing of the program's record.
 - **Load balancer** (§4.3 Algorithm 2, faithful). A call of at most
-  ``autellix_short_call_tokens`` (2048) prompt tokens goes to the least-used engine (its
+  ``short_call_tokens`` (2048) prompt tokens goes to the least-used engine (its
   system prompt is cached everywhere, so locality buys little); a longer one goes to the
   engine its program is pinned to, or pins the program to the least-used engine. "Least
   used" is the engine with the fewest calls in flight (the paper's Least Used baseline),
@@ -51,8 +51,8 @@ Attained service from what the core observes
 The paper's ``t_k`` is model-executor time, which a gateway does not see (a call's
 latency also contains its queueing). Sluice estimates it from the call's :class:`Usage`::
 
-    t_k = completion_tokens · autellix_decode_token_s
-          + (prompt_tokens − cached_tokens) · autellix_prefill_token_s
+    t_k = completion_tokens · decode_token_s
+          + (prompt_tokens − cached_tokens) · prefill_token_s
 
 An output token holds its call in the batch for one decode step; a prompt token the
 engine had to compute costs its share of a prefill; cached prompt tokens cost nothing.
@@ -63,17 +63,17 @@ weights decode against prefill the way the executor does. A call's waiting time 
 its latency leaves once that service is taken out: ``W_c = max(0, latency − t_c)`` (its
 time held at the gateway included). An aborted call reports no usage and adds nothing.
 
-Parameters (``baselines.*``; the paper publishes no values for K, the bounds or β)
-----------------------------------------------------------------------------------
+Parameters (its section, :class:`AutellixConfig`; the paper publishes no values for K, the bounds or β)
+------------------------------------------------------------------------------------------------------
 
-- ``autellix_short_call_tokens`` 2048 — Algorithm 2's threshold.
-- ``autellix_queues`` 8, ``autellix_first_queue_s`` 1.0, ``autellix_queue_growth`` 2.0 —
+- ``short_call_tokens`` 2048 — Algorithm 2's threshold.
+- ``queues`` 8, ``first_queue_s`` 1.0, ``queue_growth`` 2.0 —
   Sluice's choice: bounds 1, 2, 4, … 64 s, geometric as in MLFQ, so a SWE-style program
   (≈ 3 s of service per turn) moves down one queue every doubling of its age and reaches
   the last queue after ~20 turns.
-- ``autellix_starvation_ratio`` (β) 8.0 — Sluice's choice; the paper only says β trades
+- ``starvation_ratio`` (β) 8.0 — Sluice's choice; the paper only says β trades
   average response time against fairness.
-- ``autellix_decode_token_s`` 0.02, ``autellix_prefill_token_s`` 3.6e-5 — above.
+- ``decode_token_s`` 0.02, ``prefill_token_s`` 3.6e-5 — above.
 - ``idle_release_s`` — a program silent this long leaves the process table (the paper
   tracks each program's last call arrival to find stale ones; a final call removes it
   at once, like its ``end_session``).
@@ -87,7 +87,7 @@ from dataclasses import dataclass
 
 from scheduler.actions import Action, Admit, Decision
 from scheduler.calls import Usage
-from scheduler.config import BaselineConfig, PolicyConfig
+from scheduler.config import AutellixConfig
 from scheduler.coordinates import SessionId
 from scheduler.policies.base import Call
 from scheduler.policies.routing import RouterPolicy
@@ -103,17 +103,15 @@ class ProcessEntry:
     pinned_worker: str | None = None  # where its long calls go (Algorithm 2)
 
 
-def queue_bounds(baselines: BaselineConfig) -> tuple[float, ...]:
+def queue_bounds(config: AutellixConfig) -> tuple[float, ...]:
     """Upper bounds ``hi_1 … hi_{K-1}`` of the PLAS queues (``hi_K`` is unbounded)."""
-    first, growth = baselines.autellix_first_queue_s, baselines.autellix_queue_growth
-    return tuple(first * growth**i for i in range(baselines.autellix_queues - 1))
+    return tuple(config.first_queue_s * config.queue_growth**i for i in range(config.queues - 1))
 
 
-def call_service_s(usage: Usage, baselines: BaselineConfig) -> float:
+def call_service_s(usage: Usage, config: AutellixConfig) -> float:
     """Estimated executor time of a finished call (see the module docstring)."""
     computed_prompt = max(0, usage.prompt_tokens - usage.cached_tokens)
-    return (usage.completion_tokens * baselines.autellix_decode_token_s
-            + computed_prompt * baselines.autellix_prefill_token_s)
+    return usage.completion_tokens * config.decode_token_s + computed_prompt * config.prefill_token_s
 
 
 # Seconds between two PLAS queues in :attr:`Admit.priority` (10^6 s, 11.6 days): larger than
@@ -129,15 +127,17 @@ class AutellixPolicy(RouterPolicy):
     # would find nothing to do; the periodic tick admits calls held during an outage.
     ticks_after_completion = False
 
-    def __init__(self, config: PolicyConfig) -> None:
+    config: AutellixConfig
+
+    def __init__(self, config: AutellixConfig) -> None:
         super().__init__(config)
         self.process_table: dict[SessionId, ProcessEntry] = {}
-        self._bounds = queue_bounds(config.baselines)
+        self._bounds = queue_bounds(config)
         self._in_flight: dict[str, int] = {}
 
-    def reconfigure(self, config: PolicyConfig) -> None:
+    def reconfigure(self, config: AutellixConfig) -> None:  # type: ignore[override]
         super().reconfigure(config)
-        self._bounds = queue_bounds(config.baselines)
+        self._bounds = queue_bounds(config)
 
     # -- priority (Algorithm 1) ----------------------------------------------------------
 
@@ -146,7 +146,7 @@ class AutellixPolicy(RouterPolicy):
         entry = self.process_table.get(session_id)
         if entry is None or entry.service_s <= 0.0:
             return 0
-        if entry.wait_s / entry.service_s >= self.config.baselines.autellix_starvation_ratio:
+        if entry.wait_s / entry.service_s >= self.config.starvation_ratio:
             return 0  # anti-starvation: the program has waited β times its service
         return bisect.bisect_right(self._bounds, entry.service_s)
 
@@ -182,7 +182,7 @@ class AutellixPolicy(RouterPolicy):
     # -- placement (Algorithm 2) ---------------------------------------------------------
 
     def choose(self, program: Program, call: Call, workers: list[str]) -> str:
-        if call.request.prompt_tokens <= self.config.baselines.autellix_short_call_tokens:
+        if call.request.prompt_tokens <= self.config.short_call_tokens:
             return self._least_used(workers)
         entry = self.process_table.setdefault(program.session_id, ProcessEntry())
         if entry.pinned_worker not in workers:  # not pinned yet, or its engine failed
@@ -206,7 +206,7 @@ class AutellixPolicy(RouterPolicy):
         self._in_flight[call.worker] -= 1
         if program is not None and usage is not None:
             entry = self.process_table.setdefault(program.session_id, ProcessEntry())
-            service = call_service_s(usage, self.config.baselines)
+            service = call_service_s(usage, self.config)
             entry.service_s += service
             entry.wait_s += max(0.0, (now - call.arrived_at) - service)
         return call, program

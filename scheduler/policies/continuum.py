@@ -6,18 +6,18 @@ pinned for a TTL; calls are served first-come-first-served by *program* arrival,
 program's later turns are not overtaken by newer programs. No pausing, no admission
 control.
 
-Parameters: the TTL is chosen from the distribution of observed tool durations, as the
-paper does with its historical CDF; Sluice takes the ``continuum_ttl_quantile`` quantile
-of the last observed tool times, starting from ``continuum_ttl_s`` (2.0 s, the preview
-code's fixed threshold) until enough are seen, and never above ``continuum_max_ttl_s``.
-The pin is a :class:`Retain` at ``continuum_pin_priority`` (100). Placement across
+Parameters (its section, :class:`ContinuumConfig`): the TTL is chosen from the
+distribution of observed tool durations, as the paper does with its historical CDF; Sluice
+takes the ``ttl_quantile`` quantile of the last observed tool times, starting from ``ttl_s``
+(2.0 s, the preview code's fixed threshold) until enough are seen, and never above
+``max_ttl_s``. The pin is a :class:`Retain` at ``pin_priority`` (100). Placement across
 workers, which Continuum (a single-engine scheduler) leaves open, is sticky least-loaded.
 """
 
 from __future__ import annotations
 
 from scheduler.actions import Action, Admit, Decision, Retain
-from scheduler.config import PolicyConfig
+from scheduler.config import ContinuumConfig
 from scheduler.programs import Program
 from scheduler.policies.base import Call
 from scheduler.policies.routing import StickyLeastLoadedPolicy
@@ -29,8 +29,9 @@ HISTORY = 1000
 
 class ContinuumPolicy(StickyLeastLoadedPolicy):
     name = "continuum"
+    config: ContinuumConfig
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: ContinuumConfig) -> None:
         super().__init__(config)
         self._tool_times = ToolTimes(HISTORY, MIN_SAMPLES)
 
@@ -44,15 +45,14 @@ class ContinuumPolicy(StickyLeastLoadedPolicy):
         return decision
 
     def ttl_s(self) -> float:
-        baselines = self.config.baselines
-        quantile = self._tool_times.quantile(baselines.continuum_ttl_quantile)
+        quantile = self._tool_times.quantile(self.config.ttl_quantile)
         if quantile is None:
-            return baselines.continuum_ttl_s
-        return min(baselines.continuum_max_ttl_s, quantile)
+            return self.config.ttl_s
+        return min(self.config.max_ttl_s, quantile)
 
     def after_call(self, program: Program, now: float) -> list[Action]:
         if program.in_flight or program.home_worker is None:
             return []
         head = program.chain.head if program.chain is not None else None
         return [Retain(program.session_id, program.home_worker,
-                       self.config.baselines.continuum_pin_priority, self.ttl_s(), head)]
+                       self.config.pin_priority, self.ttl_s(), head)]

@@ -11,7 +11,7 @@ import hashlib
 from collections import OrderedDict
 
 from scheduler.actions import Action, Decision
-from scheduler.config import PolicyConfig
+from scheduler.config import KvAwareConfig, LeastLoadedConfig, PolicyConfig
 from scheduler.programs import Program
 from scheduler.policies.base import Call, Policy, admit, hold
 
@@ -71,15 +71,16 @@ class LeastLoadedPolicy(RouterPolicy):
     """VERL's global load balancer for multi-turn rollouts.
 
     A session seen before goes back to its worker (sticky through an LRU of
-    ``baselines.sticky_lru_size`` sessions, default 10,000 = VERL's
+    ``sticky_lru_size`` sessions, default 10,000 = VERL's
     ``DEFAULT_ROUTING_CACHE_SIZE``); a new one goes to the worker with the fewest calls in
     flight, the first such worker on ties. Source: VERL ``GlobalRequestLoadBalancer``
     (``acquire_server`` / ``release_server``).
     """
 
     name = "least_loaded"
+    config: LeastLoadedConfig
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: LeastLoadedConfig) -> None:
         super().__init__(config)
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._in_flight: dict[str, int] = {}
@@ -93,7 +94,7 @@ class LeastLoadedPolicy(RouterPolicy):
         counts = self._in_flight
         worker = min(workers, key=lambda w: counts.get(w, 0))
         self._sticky[session] = worker
-        if len(self._sticky) > self.config.baselines.sticky_lru_size:
+        if len(self._sticky) > self.config.sticky_lru_size:
             self._sticky.popitem(last=False)
         return worker
 
@@ -154,14 +155,15 @@ class KvAwarePolicy(RouterPolicy):
     """
 
     name = "kv_aware"
+    config: KvAwareConfig
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: KvAwareConfig) -> None:
         super().__init__(config)
         self._active_tokens: dict[str, int] = {}
 
     def choose(self, program: Program, call: Call, workers: list[str]) -> str:
         request = call.request
-        weight = self.config.baselines.kv_overlap_score_weight
+        weight = self.config.kv_overlap_score_weight
         best, best_key = workers[0], None
         for worker in workers:
             kv = self.index.worker(worker)

@@ -6,7 +6,7 @@ Source: ThunderAgent (arXiv 2602.13692), repository ThunderAgent-org/ThunderAgen
 - capacity used = Σ REASONING tokens + ``acting_token_weight``·Σ ACTING tokens − shared
   + 100 per program; a backend is over capacity when used > capacity (threshold 1.0, no
   separate pause target, no hysteresis, no soft band, no retention directives);
-- tick every 5 s (``--scheduler-interval``; ``baselines.thunderagent_tick_s``) and only
+- tick every 5 s (``--scheduler-interval``; its section's ``scheduler_interval_s``) and only
   then (no tick on completions), resume before pause;
 - pause: the smallest ACTING program first while over capacity; then every REASONING
   program on that backend is marked (marking does not lower ``remaining`` upstream, so

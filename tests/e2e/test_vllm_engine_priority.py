@@ -57,7 +57,7 @@ def sluice(fleet: Fleet, scheduling_policy: str) -> Iterator[tuple[Gateway, list
     of bodies its relay sends (recorded on the way out)."""
     entry = {**fleet[WORKER].gateway_entry(), "scheduling_policy": scheduling_policy}
     config = serve_config([entry], policy={"name": "autellix",
-                                           "baselines": {"autellix_decode_token_s": DECODE_TOKEN_S}},
+                                           "decode_token_s": DECODE_TOKEN_S},
                           health_interval_s=0.5, capacity_retry_s=0.2,
                           upstream={"connect_timeout_s": 2.0, "read_timeout_s": 120.0})
     with gateway(config) as gw:

@@ -41,6 +41,8 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from sluice_vllm_plugin import host_tier, labels, retention  # noqa: E402
+from sluice_vllm_plugin.directive_envelope import (KvOffload, KvPrefetch,  # noqa: E402
+                                                  OffloadPayload, PrefetchPayload)
 
 kcu.init_none_hash(sha256)
 BS = 4
@@ -136,7 +138,7 @@ def sc_offload() -> dict:
     pool, manager, host, keys, _ = _setup(num_chunks=9)
     try:
         st = retention.state(pool)
-        st.post("offload", "A")
+        st.post(KvOffload(OffloadPayload("A")))
         st.drain()
         order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         a_blocks = [b.block_id for b in st.queue.owned("A")]
@@ -153,12 +155,12 @@ def sc_prefetch() -> dict:
     pool, manager, host, keys, clock = _setup(num_chunks=9)
     try:
         st = retention.state(pool)
-        st.post("offload", "A")
+        st.post(KvOffload(OffloadPayload("A")))
         st.drain()
         # B and C become more recent than A in the tier (a touch makes its first key the most
         # recent, so C is next after A): A is LRU again
         manager.touch(keys["B"] + keys["C"], CTX)
-        st.post("prefetch", "A", 60, 10.0)
+        st.post(KvPrefetch(PrefetchPayload("A", priority=60, deadline_s=10.0)))
         st.drain()
         first = store(manager, fresh_keys(1, 3))        # C's 3 (LRU after A) go, not A's
         # 7 to evict, 6 unfavoured (B's 3, the 3 new): one of A's goes too, a bias, not a pin
@@ -175,13 +177,13 @@ def sc_prefetch_expiry_and_load() -> dict:
     pool, manager, host, keys, clock = _setup(num_chunks=9)
     try:
         st = retention.state(pool)
-        st.post("prefetch", "A", 60, 5.0)
+        st.post(KvPrefetch(PrefetchPayload("A", priority=60, deadline_s=5.0)))
         st.drain()
         favoured = sorted(host.favoured)
         clock[0] = 6.0
         # deadline passed: plain LRU; the prefetch's touch made A the most recent, so B goes
         expired = store(manager, fresh_keys(1, 3))
-        st.post("prefetch", "C", 60, float("inf"))
+        st.post(KvPrefetch(PrefetchPayload("C", priority=60)))
         st.drain()
         favoured_before_load = sorted(host.favoured)
         manager.prepare_load(keys["C"][:1], CTX)
@@ -204,10 +206,10 @@ def sc_offload_without_tier() -> dict:
         pool.cache_full_blocks(request("r", 100, "A"), blocks, 0, BLOCKS_PER_SESSION, BS, 0)
         with retention.freeing(pool, "A"):
             pool.free_blocks(reversed(blocks))
-        st.post("offload", "A")
+        st.post(KvOffload(OffloadPayload("A")))
         st.drain()
         after_offload = st.class_of("A")
-        st.post("prefetch", "A", 50, float("inf"))
+        st.post(KvPrefetch(PrefetchPayload("A", priority=50)))
         st.drain()
         return {"after_offload": after_offload, "after_prefetch": st.class_of("A"),
                 "dropped": st.dropped}

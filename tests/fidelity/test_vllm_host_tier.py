@@ -107,11 +107,9 @@ def test_directive_server_posts_offload_and_prefetch():
     from sluice_vllm_plugin.directives import DirectiveServer
     posted = []
     server = DirectiveServer.__new__(DirectiveServer)    # handle() only: no socket
-    server._post, server.received, server.applied, server.dropped = (
-        lambda *a: posted.append(a), 0, 0, 0)
-    server.handle(encode_json(Envelope(1, "m", [
-        KvOffload(OffloadPayload("s1")),
-        KvPrefetch(PrefetchPayload("s1", priority=70, deadline_s=3.0)),
-        KvPrefetch(PrefetchPayload("s2"))])))
-    assert posted == [("offload", "s1"), ("prefetch", "s1", 70, 3.0),
-                      ("prefetch", "s2", 50, float("inf"))]
+    server._post, server.received, server.applied, server.dropped = posted.append, 0, 0, 0
+    actions = [KvOffload(OffloadPayload("s1")),
+               KvPrefetch(PrefetchPayload("s1", priority=70, deadline_s=3.0)),
+               KvPrefetch(PrefetchPayload("s2"))]
+    server.handle(encode_json(Envelope(1, "m", actions)))
+    assert posted == actions and server.applied == 3

@@ -346,6 +346,8 @@ os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 import vllm
 import sluice_vllm_plugin as plugin
 from sluice_vllm_plugin import labels, retention
+from sluice_vllm_plugin.directive_envelope import (VERBS, KvDemote, KvRetain, RetainPayload,
+                                                  SessionPayload)
 out = {}
 plugin.register()                                   # API-server-like process: not applied
 out["main_process"] = labels.is_applied()
@@ -370,12 +372,13 @@ plugin.register()                                   # idempotent
 from vllm.v1.core.block_pool import BlockPool
 pool = BlockPool(4, True, 4, enable_kv_cache_events=True)
 r = retention.state(pool)
-r.post("retain", "s", "not-a-number", 1.0)
-r.post("bogus", "s")
-r.post("demote", "s")
+r.post(KvRetain(RetainPayload("s", "not-a-number", 1.0)))  # a struct is not checked when built
+r.post("bogus")
+r.post(KvDemote(SessionPayload("s")))
 out["applied"] = r.drain()
 out["dropped"] = r.dropped
 out["alloc"] = [b.block_id for b in pool.get_new_blocks(3)]
+out["verbs_not_applied"] = [v for v in VERBS if not callable(getattr(retention.Retention, v, None))]
 print("RESULT" + json.dumps(out))
 """
 
@@ -383,7 +386,8 @@ print("RESULT" + json.dumps(out))
 def test_register_gating_and_malformed_directives(driver_out):
     out = run_check(_REGISTER_CHECK)
     assert out == {"main_process": False, "other_version": False, "log_lines": 1,
-                   "engine_core": True, "applied": 1, "dropped": 2, "alloc": [1, 2, 3]}
+                   "engine_core": True, "applied": 1, "dropped": 2, "alloc": [1, 2, 3],
+                   "verbs_not_applied": []}
 
 
 _DIRECTIVE_CHECK = r"""

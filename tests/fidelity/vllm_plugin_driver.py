@@ -42,6 +42,8 @@ from vllm.v1.request import Request  # noqa: E402
 
 import sluice_vllm_plugin as vllm_plugin  # noqa: E402
 from sluice_vllm_plugin import labels, retention  # noqa: E402
+from sluice_vllm_plugin.directive_envelope import (KvDemote, KvRelease, KvRetain,  # noqa: E402
+                                                  RetainPayload, SessionPayload)
 
 _enc = msgspec.msgpack.Encoder()
 kcu.init_none_hash(sha256)
@@ -297,10 +299,10 @@ def _run_retention(seq):
             else:
                 res["status"] = "noop"
         elif kind == "retain":
-            r.post("retain", op["session"], op["priority"], op["ttl"])
+            r.post(KvRetain(RetainPayload(op["session"], op["priority"], op["ttl"])))
             r.drain()
         elif kind in ("demote", "release"):
-            r.post(kind, op["session"])
+            r.post((KvDemote if kind == "demote" else KvRelease)(SessionPayload(op["session"])))
             r.drain()
         elif kind == "tick":
             now[0] += float(op["dt"])

@@ -4,11 +4,18 @@ a real ZMQ socket, in the shape the plugin's envelope module decodes."""
 from __future__ import annotations
 
 import json
+from typing import get_args
 
+import msgspec
+import pytest
 import zmq
 
+from controller.directives import kv_action
 from entry.ports import free_port
-from sluice_vllm_plugin.directive_envelope import KvRetain, RetainPayload, decode
+from scheduler.actions import Demote, Directive, Offload, Prefetch, Release, Retain
+from simworker.directive_socket import DirectiveSocket
+from sluice_vllm_plugin.directive_envelope import (VERBS, Envelope, KvRetain, RetainPayload, decode,
+                                                  encode_json, verb_of)
 from tests.support.gateway_harness import chat, fakes, gateway, serve_config
 
 
@@ -61,3 +68,32 @@ def test_released_program_sends_a_release_directive():
     sent = {kind: sum(1 for k, _ in kinds if k == f"kv.{kind}") for kind in ("retain", "demote", "release")}
     for kind, n in sent.items():
         assert f'sluice_directives_sent_total{{kind="{kind}"}} {float(n)}' in metrics, metrics
+
+
+# One table of verbs: the core's directives and the envelope's actions name the same verbs,
+# each action's payload is read off its directive's fields, and both engines apply each verb.
+DIRECTIVES = {Retain: Retain("s", "w0", 70, 12.5, "c1"), Demote: Demote("s", "w0"),
+              Release: Release("s", "w0", "final"), Offload: Offload("s", "w0", "c1"),
+              Prefetch: Prefetch("s", "w0", 60, "c1", 5.0)}
+
+
+def test_the_core_and_the_envelope_name_the_same_verbs():
+    assert set(DIRECTIVES) == set(get_args(Directive))
+    assert sorted(cls.verb for cls in DIRECTIVES) == sorted(VERBS)
+
+
+@pytest.mark.parametrize("directive", DIRECTIVES.values(), ids=lambda d: d.verb)
+def test_a_directive_travels_as_its_verbs_action_with_its_own_values(directive):
+    action = kv_action(directive, "m.0")
+    assert verb_of(action) == directive.verb and action.action_id == "m.0"
+    payload = msgspec.structs.asdict(action.payload)
+    assert payload == {key: getattr(directive, key) for key in payload}
+    wire = encode_json(Envelope(1, "m", [action]))
+    assert decode(wire).actions == [action]
+    assert json.loads(wire)["actions"][0]["action_type"] == f"kv.{directive.verb}"
+
+
+def test_the_simworker_applies_every_verb():
+    # the plugin's block pool is checked alike where vLLM is (tests/fidelity/test_vllm_plugin.py)
+    for verb in VERBS:
+        assert callable(getattr(DirectiveSocket, verb, None)), verb

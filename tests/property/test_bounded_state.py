@@ -59,7 +59,7 @@ BOUNDS: dict[str, str] = {
     # the host tier's mirror: bounded by the tier's chunks, and empty here for the same reason
     "index._hosts": WORKER,
     "index._hosts.values.*": LIVE,
-    # least_loaded: VERL's sticky routing cache (an LRU of baselines.sticky_lru_size)
+    # least_loaded: VERL's sticky routing cache (an LRU of sticky_lru_size)
     "_sticky": WINDOW,
     # least_loaded, autellix, kv_aware: per-worker counters
     "_in_flight": WORKER,
@@ -173,7 +173,7 @@ class Life:
         self.policy = make_policy(config)
         for worker in WORKERS:
             self.policy.add_worker(worker, CAPACITY)
-        self.window = max(getattr(self.policy.config.baselines, "sticky_lru_size", 0), 1000)
+        self.window = max(getattr(self.policy.config, "sticky_lru_size", 0), 1000)
 
     def session(self, slot: int) -> SessionId:
         return SessionId(f"s{slot}.{self.generation[slot]}")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import PolicyConfig, section_class
+from scheduler.config import make_policy_config, section_class
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scheduler.policies import POLICIES, make_policy
@@ -122,7 +122,7 @@ class Run:
         # each policy takes the keys of its own section (a baseline has no thresholds)
         section = section_class(self.name)
         keys = {key: value for key, value in self.config.items() if key in section.model_fields}
-        self.policy = make_policy(PolicyConfig(name=self.name, **keys))
+        self.policy = make_policy(make_policy_config({"name": self.name, **keys}))
         for worker, cap in zip(WORKERS, self.caps):
             self.policy.add_worker(worker, cap)
         self.cfg = self.policy.config

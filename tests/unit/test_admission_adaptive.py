@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.admission import Admission
 from controller.metrics import Metrics
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import PolicyConfig
+from scheduler.config import ProgramAwareConfig
 from scheduler.coordinates import SessionId
 from scheduler.policies import make_policy
 
@@ -36,7 +36,7 @@ def _tool_calls(policy, seconds: float, count: int, start: float = 0.0) -> float
 
 
 def test_the_dormancy_cutoff_is_logged_when_learnt_and_when_it_moves_and_exported():
-    policy = make_policy(PolicyConfig(dormant_quantile=0.5, dormant_min_s=0.0))
+    policy = make_policy(ProgramAwareConfig(dormant_quantile=0.5, dormant_min_s=0.0))
     policy.add_worker("w0", 100_000)
     log = RecordingLog()
     admission = Admission(policy, clock=lambda: 1_000.0, log=log)

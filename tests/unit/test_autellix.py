@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.actions import Admit, Hold, Release, engine_priority
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import BaselineConfig, PolicyConfig
+from scheduler.config import AutellixConfig
 from scheduler.coordinates import SessionId
 from scheduler.policies import make_policy
 from scheduler.policies.autellix import QUEUE_TIER_S, AutellixPolicy, call_service_s, queue_bounds
@@ -18,11 +18,11 @@ from sim.step_time import preset
 
 SHORT = 1_000   # ≤ 2048 prompt tokens: balanced across engines
 LONG = 8_000    # > 2048: pinned to the program's engine
-DEFAULTS = BaselineConfig()
+DEFAULTS = AutellixConfig()
 
 
-def make(workers: tuple[str, ...] = ("w0", "w1", "w2"), **baselines) -> AutellixPolicy:
-    policy = make_policy(PolicyConfig(name="autellix", baselines=baselines))
+def make(workers: tuple[str, ...] = ("w0", "w1", "w2"), **keys) -> AutellixPolicy:
+    policy = make_policy(AutellixConfig(**keys))
     for worker in workers:
         policy.add_worker(worker, 100_000)
     assert isinstance(policy, AutellixPolicy)
@@ -61,7 +61,7 @@ def level(admit: Admit, arrived_at: float) -> float:
 
 def test_queue_bounds_are_geometric_and_service_counts_decode_and_computed_prefill() -> None:
     assert queue_bounds(DEFAULTS) == (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-    assert queue_bounds(BaselineConfig(autellix_queues=1)) == ()
+    assert queue_bounds(AutellixConfig(queues=1)) == ()
     # 100 output tokens at 20 ms plus 10k computed prompt tokens at 36 µs
     assert call_service_s(Usage(12_000, 100, 2_000), DEFAULTS) == pytest.approx(2.0 + 0.36)
     # a fully cached prompt costs nothing
@@ -140,7 +140,7 @@ def test_anti_starvation_promotes_a_program_that_waited_beta_times_its_service()
     assert level(d.arrive("patient", now=30.0), 30.0) == 0.0
     assert level(d.arrive("served", now=30.0), 30.0) == 2.0
     # β is a knob: with β = 10 the patient program stays in its queue
-    d = Driver(make(autellix_starvation_ratio=10.0))
+    d = Driver(make(starvation_ratio=10.0))
     d.served("patient", 100, took_s=20.0)
     assert level(d.arrive("patient", now=30.0), 30.0) == 2.0
 
@@ -213,7 +213,7 @@ def test_reconfigure_takes_new_queue_bounds() -> None:
     d = Driver(make())
     d.served("a", 100, took_s=2.0)  # 2 s
     assert level(d.arrive("a", now=3.0), 3.0) == 2.0
-    d.p.reconfigure(PolicyConfig(name="autellix", baselines={"autellix_first_queue_s": 4.0}))
+    d.p.reconfigure(AutellixConfig(first_queue_s=4.0))
     assert level(d.arrive("a", now=4.0), 4.0) == 0.0
 
 

@@ -8,19 +8,16 @@ import pytest
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, parse_policy_config
+from scheduler.config import (POLICY_NAMES, ConfigError, ProgramAwareConfig, ThunderAgentConfig,
+                              make_policy_config, parse_policy_config)
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import BlockStored, EventBatch
 from scheduler.policies import POLICIES, make_policy
 
 
-def make(name: str, workers: dict[str, int | None] | None = None, baselines: dict | None = None,
-         **overrides):
-    settings = {"growth_reserve_tokens": 0}
-    settings.update(overrides)
-    if baselines is not None:
-        settings["baselines"] = baselines
-    policy = make_policy(PolicyConfig(name=name, **settings))
+def make(name: str, workers: dict[str, int | None] | None = None, **keys):
+    """Policy ``name`` with ``keys`` of its own section (and no growth reserve)."""
+    policy = make_policy(make_policy_config({"name": name, "growth_reserve_tokens": 0, **keys}))
     for worker, cap in (workers if workers is not None else {"w0": 10_000}).items():
         policy.add_worker(worker, cap)
     return policy
@@ -144,7 +141,7 @@ def test_least_loaded_is_sticky_by_session() -> None:
 
 def _lru_scenario(size: int) -> str:
     d = Driver(make("least_loaded", {"w0": 10_000, "w1": 10_000},
-                    baselines={"sticky_lru_size": size}))
+                    sticky_lru_size=size))
     assert d.arrive("a").worker == "w0"
     assert d.arrive("b").worker == "w1"
     assert d.arrive("c").worker == "w0"  # w0: 2 in flight, w1: 1
@@ -158,7 +155,7 @@ def test_least_loaded_lru_eviction_makes_a_session_repick() -> None:
 
 def test_least_loaded_lru_refreshes_on_use() -> None:
     d = Driver(make("least_loaded", {"w0": 10_000, "w1": 10_000},
-                    baselines={"sticky_lru_size": 2}))
+                    sticky_lru_size=2))
     d.arrive("a")       # w0
     d.arrive("b")       # w1
     d.arrive("a")       # w0 again; "a" is now the most recent, "b" the oldest
@@ -193,7 +190,7 @@ def test_kv_aware_partial_prefix_counts_only_resident_leading_blocks() -> None:
 
 def _kv_load_scenario(weight: float) -> str:
     d = Driver(make("kv_aware", {"w0": 10_000, "w1": 10_000},
-                    baselines={"kv_overlap_score_weight": weight}))
+                    kv_overlap_score_weight=weight))
     d.p.observe_kv("w1", stored([1, 2, 3, 4], "someone"))
     d.p.set_worker_health("w0", False, 0.0)
     d.arrive("busy", 100)  # 100 tokens of work in flight on w1
@@ -320,7 +317,7 @@ def test_thunderagent_uses_the_published_constants() -> None:
     policy = make("thunderagent")
     assert policy.tick_interval_s == 5.0
     assert policy.ledger.weights.buffer_per_program == 100
-    assert make("thunderagent", baselines={"thunderagent_tick_s": 2.5}).tick_interval_s == 2.5
+    assert make("thunderagent", scheduler_interval_s=2.5).tick_interval_s == 2.5
     # the published thresholds are not settable: program_aware's keys are refused by name
     for key, value in (("pause_threshold", 0.5), ("retention", {"enabled": True}), ("max_wait_s", 5.0)):
         with pytest.raises(ConfigError, match=f"policy: {key}: a key of program_aware; thunderagent"):
@@ -329,10 +326,10 @@ def test_thunderagent_uses_the_published_constants() -> None:
 
 def test_thunderagent_reconfigure_takes_tick_and_refuses_another_kind() -> None:
     policy = make("thunderagent")
-    policy.reconfigure(PolicyConfig(name="thunderagent", baselines={"thunderagent_tick_s": 10.0}))
+    policy.reconfigure(ThunderAgentConfig(scheduler_interval_s=10.0))
     assert policy.tick_interval_s == 10.0
     with pytest.raises(ValueError, match="cannot switch policy"):
-        policy.reconfigure(PolicyConfig(name="program_aware"))
+        policy.reconfigure(ProgramAwareConfig())
 
 
 def test_thunderagent_pauses_only_over_capacity() -> None:
@@ -451,7 +448,7 @@ def test_continuum_never_holds_while_a_worker_is_healthy() -> None:
 
 
 def test_continuum_retains_after_each_response_with_cold_start_ttl() -> None:
-    d = Driver(make("continuum", baselines={"continuum_ttl_s": 3.0, "continuum_pin_priority": 77}))
+    d = Driver(make("continuum", ttl_s=3.0, pin_priority=77))
     chain = mint_chain("m", None, None, ["hello"])
     call = d.arrive("a", 100, now=0.0, chain=chain)
     actions = d.finish(call.request_id, 150, now=1.0)
@@ -466,8 +463,8 @@ def test_continuum_default_cold_start_is_two_seconds() -> None:
     assert [r.ttl_s for r in d.finish(call.request_id)] == [2.0]
 
 
-def _continuum_with_tool_times(times: list[float], **baselines) -> list[float]:
-    d = Driver(make("continuum", baselines=baselines or None))
+def _continuum_with_tool_times(times: list[float], **keys) -> list[float]:
+    d = Driver(make("continuum", **keys))
     now = 0.0
     ttls = []
     call = d.arrive("a", now=now)
@@ -490,9 +487,9 @@ def test_continuum_ttl_follows_observed_tool_times() -> None:
 
 def test_continuum_ttl_quantile_is_configurable_and_capped() -> None:
     times = [float(t) for t in range(1, 26)]
-    low = _continuum_with_tool_times(times, continuum_ttl_quantile=0.25)
+    low = _continuum_with_tool_times(times, ttl_quantile=0.25)
     assert 5.0 <= low[-1] <= 7.0
-    slow = _continuum_with_tool_times([100.0 + t for t in range(25)], continuum_max_ttl_s=45.0)
+    slow = _continuum_with_tool_times([100.0 + t for t in range(25)], max_ttl_s=45.0)
     assert slow[-1] == 45.0
 
 
@@ -516,7 +513,7 @@ def test_continuum_is_sticky() -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICY_NAMES))
 def test_a_drained_worker_can_be_removed_and_calls_go_to_the_rest(name):
-    policy = make_policy(PolicyConfig(name=name))
+    policy = make_policy(make_policy_config({"name": name}))
     for worker in ("w0", "w1"):
         policy.add_worker(worker, 1_000_000)
     first = policy.on_arrival(CallRequest("r1", "s1", prompt_tokens=100), 0.0)

@@ -8,18 +8,24 @@ from pathlib import Path
 import pytest
 
 from scheduler.config import (
+    BASELINE_KEYS_MOVED,
     POLICY_NAMES,
-    PolicyName,
-    RouterConfig,
-    ThunderAgentConfig,
+    AutellixConfig,
     BaselineConfig,
     ConfigError,
-    PolicyConfig,
+    ContinuumConfig,
+    KvAwareConfig,
+    LeastLoadedConfig,
+    PolicyName,
     ProgramAwareConfig,
     RetentionConfig,
+    RouterConfig,
+    ThunderAgentConfig,
     load_yaml_text,
+    make_policy_config,
     parse_policy_config,
     parse_policy_yaml,
+    section_class,
 )
 
 # The v1 defaults: those published for the Dynamo port of ThunderAgent.
@@ -57,7 +63,7 @@ def default_of(config, key: str):
 
 @pytest.mark.parametrize("key, value", sorted({**DESIGN_DEFAULTS, **V2_DEPARTURES}.items()))
 def test_program_aware_defaults_are_v1s_except_the_v2_departures(key, value):
-    for config in (ProgramAwareConfig(), PolicyConfig()):
+    for config in (ProgramAwareConfig(), make_policy_config()):
         actual, convert = default_of(config, key)
         assert actual == (convert(value) if convert else value)
 
@@ -76,12 +82,27 @@ def test_the_architecture_docs_defaults_table_matches_the_config():
             assert float(getattr(defaults, key)) == float(value), key
 
 
+def test_the_architecture_docs_baseline_table_matches_the_config():
+    """docs/architecture.md §4 lists each baseline key in its policy's section with its default."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    section = path.read_text(encoding="utf-8").split("## 4.", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z_, ]+?)\s*\|\s*([-0-9.e, ]+?)\s*\|", section,
+                      flags=re.M)
+    documented = set()
+    for policy, keys, values in rows:
+        defaults = make_policy_config({"name": policy})
+        for key, value in zip(keys.split(", "), values.split(", "), strict=True):
+            assert float(getattr(defaults, key)) == float(value), f"{policy}.{key}"
+            documented.add(key)
+    assert documented == {key for _, key in BASELINE_KEYS_MOVED.values()}
+
+
 def test_empty_or_absent_policy_section_gives_the_defaults():
-    assert parse_policy_yaml("") == PolicyConfig()
-    assert parse_policy_yaml("policy:\n") == PolicyConfig()
-    assert parse_policy_yaml("gateway: {port: 8000}\n") == PolicyConfig()
-    assert parse_policy_config(None) == PolicyConfig()
-    assert PolicyConfig().name == "program_aware"
+    assert parse_policy_yaml("") == ProgramAwareConfig()
+    assert parse_policy_yaml("policy:\n") == ProgramAwareConfig()
+    assert parse_policy_yaml("gateway: {port: 8000}\n") == ProgramAwareConfig()
+    assert parse_policy_config(None) == ProgramAwareConfig()
+    assert make_policy_config().name == "program_aware"
 
 
 def test_yaml_values_override_defaults_and_other_sections_are_ignored():
@@ -95,24 +116,23 @@ def test_yaml_values_override_defaults_and_other_sections_are_ignored():
       buffer_per_program: 64
       retention:
         ttl_s: 120
-      baselines:
-        thunderagent_tick_s: 2.5
+      thunderagent:
+        scheduler_interval_s: 2.5
     """
     cfg = parse_policy_yaml(text, "sluice.yaml")
     assert cfg.name == "program_aware"
     assert (cfg.pause_threshold, cfg.pause_target, cfg.buffer_per_program) == (0.9, 0.7, 64)
     assert cfg.retention.ttl_s == 120.0
     assert cfg.retention.enabled is True  # untouched nested defaults stay
-    assert cfg.baselines.thunderagent_tick_s == 2.5
+    assert cfg.thunderagent.scheduler_interval_s == 2.5
     assert cfg.idle_release_s == 600
 
 
 def test_config_is_frozen():
-    cfg = PolicyConfig()
+    cfg = ProgramAwareConfig()
     with pytest.raises(Exception):
         cfg.pause_target = 0.5  # type: ignore[misc]
     assert isinstance(cfg.retention, RetentionConfig)
-    assert isinstance(cfg.baselines, BaselineConfig)
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -152,7 +172,9 @@ def test_unknown_key_is_rejected_with_its_dotted_path():
 def test_unknown_nested_key_is_rejected_with_its_dotted_path():
     with pytest.raises(ConfigError, match=r"policy\.retention\.ttl\b"):
         parse_policy_yaml("policy: {retention: {ttl: 5}}")
-    with pytest.raises(ConfigError, match=r"policy\.baselines\.sticky_lru"):
+    with pytest.raises(ConfigError, match=r"policy\.least_loaded\.sticky_lru\b"):
+        parse_policy_yaml("policy: {least_loaded: {sticky_lru: 5}}")
+    with pytest.raises(ConfigError, match=r"policy\.baselines\.sticky_lru\b"):
         parse_policy_yaml("policy: {baselines: {sticky_lru: 5}}")
 
 
@@ -165,6 +187,8 @@ def test_unknown_nested_key_is_rejected_with_its_dotted_path():
         ("policy: {tick_interval_s: fast}", "policy.tick_interval_s"),
         ("policy: {retention: {enabled: maybe}}", "policy.retention.enabled"),
         ("policy: {baselines: {sticky_lru_size: {a: 1}}}", "policy.baselines.sticky_lru_size"),
+        ("policy: {autellix: {queues: many}}", "policy.autellix.queues"),
+        ("policy: {name: autellix, queues: many}", "policy.queues"),
     ],
 )
 def test_wrong_type_names_the_key_with_its_dotted_path(yaml_text, path):
@@ -278,20 +302,71 @@ def test_a_program_aware_key_on_another_policy_is_an_error_naming_it(name, key):
 
 def test_each_policy_gets_its_own_section_type():
     sections = {name: type(parse_policy_config({"name": name})) for name in POLICY_NAMES}
-    assert sections["program_aware"] is ProgramAwareConfig
-    assert sections["thunderagent"] is ThunderAgentConfig
-    assert {sections[n] for n in POLICY_NAMES} == {ProgramAwareConfig, ThunderAgentConfig, RouterConfig}
+    assert sections == {"program_aware": ProgramAwareConfig, "thunderagent": ThunderAgentConfig,
+                        "round_robin": RouterConfig, "least_loaded": LeastLoadedConfig,
+                        "kv_aware": KvAwareConfig, "sticky_least_loaded": RouterConfig,
+                        "continuum": ContinuumConfig, "autellix": AutellixConfig}
     assert not hasattr(parse_policy_config({"name": "least_loaded"}), "pause_threshold")
     assert PolicyName.__args__ == POLICY_NAMES  # derived, not a second list
 
 
-def test_for_policy_carries_the_keys_both_sections_take():
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_the_section_a_config_carries_for_a_policy_is_that_policys(name):
+    # the table of sections (the fields of PolicyConfig) and the sections' names agree
+    carried = make_policy_config({"name": "round_robin" if name == "program_aware" else "program_aware",
+                                  name: {}})
+    assert type(getattr(carried, name)) is section_class(name)
+    assert getattr(carried, name).name == name
+
+
+def test_for_policy_reads_the_section_carried_over_the_keys_both_sections_take():
     config = parse_policy_config({"pause_threshold": 0.9, "idle_release_s": 30.0,
-                                  "baselines": {"sticky_lru_size": 7}})
+                                  "tick_interval_s": 2.0,
+                                  "least_loaded": {"sticky_lru_size": 7, "idle_release_s": 40.0},
+                                  "thunderagent": {"scheduler_interval_s": 3.0}})
     router = config.for_policy("least_loaded")
-    assert isinstance(router, RouterConfig) and router.name == "least_loaded"
-    assert router.idle_release_s == 30.0 and router.baselines.sticky_lru_size == 7
+    assert isinstance(router, LeastLoadedConfig) and router.name == "least_loaded"
+    assert (router.idle_release_s, router.tick_interval_s, router.sticky_lru_size) == (40.0, 2.0, 7)
+    kv_aware = config.for_policy("kv_aware")
+    assert (kv_aware.idle_release_s, kv_aware.tick_interval_s) == (30.0, 2.0)
+    # thunderagent's tick is its own key: program_aware's tick_interval_s does not reach it
+    assert config.for_policy("thunderagent").tick_interval_s == 3.0
     assert config.for_policy("program_aware") is config
+    assert "least_loaded" not in config.model_dump()  # the running section's dump is its own
+
+
+@pytest.mark.parametrize("document, problem", [
+    ("policy: {program_aware: {pause_threshold: 0.9}}", "policy: program_aware: the keys of program_aware itself"),
+    ("policy: {autellix: {kv_aware: {}}}", "policy: autellix.kv_aware: sections do not nest"),
+    ("policy: {autellix: {name: kv_aware}}", "policy: autellix.name: the section under autellix is autellix's"),
+    ("policy: {autellix: {pause_threshold: 0.9}}", "policy.autellix: pause_threshold: a key of program_aware"),
+])
+def test_a_carried_section_out_of_place_is_refused_naming_it(document, problem):
+    with pytest.raises(ConfigError) as err:
+        parse_policy_yaml(document)
+    assert problem in str(err.value)
+
+
+@pytest.mark.parametrize("old, moved", sorted(BASELINE_KEYS_MOVED.items()))
+def test_a_key_of_the_deprecated_baselines_bag_moves_to_its_policys_section(old, moved):
+    policy, key = moved
+    value = section_class(policy).model_fields[key].default
+    value = value - 1 if isinstance(value, int) else value * 0.75  # not the default, in bounds
+    with pytest.warns(FutureWarning, match=f"policy.baselines.{old} is deprecated"):
+        carried = parse_policy_config({"baselines": {old: value}})
+    assert getattr(carried.for_policy(policy), key) == value
+    assert carried.deprecation_notes == (
+        f"policy.baselines.{old} is deprecated: read as policy.{policy}.{key}; move the key",)
+    with pytest.warns(FutureWarning):
+        own = parse_policy_config({"name": policy, "baselines": {old: value}})
+    assert getattr(own, key) == value and own.baselines is None
+    assert f"read as policy.{key};" in own.deprecation_notes[0]
+    with pytest.raises(ConfigError, match=f"baselines.{old} and {key} both set"):
+        parse_policy_config({"name": policy, key: value, "baselines": {old: value}})
+
+
+def test_every_key_of_the_deprecated_bag_has_a_new_place():
+    assert set(BaselineConfig.model_fields) == set(BASELINE_KEYS_MOVED)
 
 
 def test_soft_band_penalty_is_read_as_its_magnitude_with_a_deprecation_warning():
@@ -313,7 +388,8 @@ def test_fractions_are_bounded_at_twice_the_pool():
 
 
 @pytest.mark.parametrize("section", [RetentionConfig, BaselineConfig, ProgramAwareConfig,
-                                     ThunderAgentConfig, RouterConfig])
+                                     ThunderAgentConfig, RouterConfig, LeastLoadedConfig,
+                                     KvAwareConfig, ContinuumConfig, AutellixConfig])
 def test_every_model_is_strict(section):
     assert section.model_config["extra"] == "forbid" and section.model_config["strict"] is True
 
@@ -341,8 +417,10 @@ def test_a_fleet_with_a_host_tier_turns_it_on_unless_the_file_said_otherwise():
     assert kept.retention.host_tier and (kept.pause_threshold, kept.dormant_min_s) == (0.9, 30.0)
     refused = parse_policy_yaml("policy:\n  retention:\n    host_tier: false\n")
     assert refused.for_host_tier() is refused
-    router = PolicyConfig(name="least_loaded")
+    router = LeastLoadedConfig()
     assert router.for_host_tier() is router
+    carrying = parse_policy_yaml("policy:\n  autellix: {queues: 3}\n").for_host_tier()
+    assert carrying.retention.host_tier and carrying.for_policy("autellix").queues == 3
 
 
 def test_host_tier_overcommit_below_the_pause_threshold_is_refused():

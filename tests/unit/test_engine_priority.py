@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.actions import Admit, engine_priority
 from scheduler.calls import CallRequest
-from scheduler.config import PolicyConfig
+from scheduler.config import ProgramAwareConfig
 from scheduler.coordinates import SessionId
 from scheduler.policies import make_policy
 
@@ -37,7 +37,7 @@ def test_order_between_calls_is_the_order_of_their_priorities_wherever_dispatche
 
 
 def _program_aware():
-    policy = make_policy(PolicyConfig(name="program_aware", buffer_per_program=0,
+    policy = make_policy(ProgramAwareConfig(buffer_per_program=0,
                                       growth_reserve_tokens=0, max_wait_s=None,
                                       dormant_quantile=None))
     policy.add_worker("w0", 1000)

@@ -18,7 +18,7 @@ from controller.upstream import (
 )
 from controller.worker_answers import StreamTap, UsageCounts
 from controller.workers import CapacityUnknown, capacity_from_metrics
-from scheduler.config import ConfigError
+from scheduler.config import POLICY_NAMES, ConfigError, make_policy_config
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = {"name": "w0", "url": "http://127.0.0.1:8000"}
@@ -32,8 +32,11 @@ def test_example_yaml_loads_and_its_gateway_keys_are_the_defaults():
     assert [w.name for w in config.workers] == ["gpu-0", "gpu-1"]
     assert config.workers[1].capacity_tokens == 250_000 and config.workers[0].capacity_tokens is None
     defaults = ServeConfig(workers=config.workers)
-    for key in ServeConfig.model_fields:
+    for key in ServeConfig.model_fields.keys() - {"policy"}:
         assert getattr(config, key) == getattr(defaults, key), key
+    for name in POLICY_NAMES:  # every policy's section as the example gives it: the defaults
+        example = config.policy.for_policy(name).model_dump()
+        assert example == make_policy_config({"name": name}).model_dump(), name
     assert config.path == (REPO / "configs" / "example.yaml").resolve()
 
 

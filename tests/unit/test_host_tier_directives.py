@@ -248,7 +248,8 @@ def test_a_simulated_fleet_with_a_tier_tells_program_aware_and_reports_the_tier(
     assert least_loaded.name == "least_loaded"
     for result in results:
         row = result.summary()
-        assert row["host_loaded_tokens"] >= 0 and row["host_evicted_blocks"] >= 0
+        # every engine had a tier: its counts are reported, and 1 GiB fills and gives up blocks
+        assert isinstance(row["host_loaded_tokens"], int) and row["host_evicted_blocks"] > 0
     untiered = runs.run_policies(
         ["program_aware"],
         lambda: ClosedLoop(SwebenchWorkload(seed=3).make_program, concurrency=4, ramp_s=2.0),

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallHints, CallRequest, Usage
-from scheduler.config import PolicyConfig
+from scheduler.config import ProgramAwareConfig
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import BlockStored, EventBatch
 from scheduler.policies import make_policy
@@ -29,7 +29,7 @@ def make(workers: dict[str, int | None] | None = None, **overrides) -> ProgramAw
                 "pause_target": 0.80, "resume_hysteresis": 0.10, "max_wait_s": None,
                 "dormant_quantile": None}
     settings.update(overrides)
-    policy = make_policy(PolicyConfig(name="program_aware", **settings))
+    policy = make_policy(ProgramAwareConfig(**settings))
     assert isinstance(policy, ProgramAwarePolicy)
     for name, cap in (workers if workers is not None else {"w0": CAP}).items():
         policy.add_worker(name, cap)

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from scheduler.actions import Action, Demote, Release, Retain
-from scheduler.config import PolicyConfig
+from scheduler.config import ProgramAwareConfig, RouterConfig
 from scheduler.kv_events import BlockRemoved
 from scheduler.policies import make_policy
 from scheduler.policies.routing import RoundRobinPolicy
@@ -413,7 +413,7 @@ class ScriptedPolicy(RoundRobinPolicy):
     """Round robin that also returns scripted retention actions from its periodic tick."""
 
     def __init__(self, script: list[tuple[float, Action]]) -> None:
-        super().__init__(PolicyConfig(name="round_robin"))
+        super().__init__(RouterConfig(name="round_robin"))
         self.script = sorted(script, key=lambda item: item[0])
 
     def tick(self, now: float) -> list[Action]:
@@ -492,7 +492,7 @@ def test_every_retention_action_of_a_real_policy_reaches_its_worker_pool():
              for i in range(6)]
     # a growth reserve and buffer sized to the tiny pools, so programs are admitted and
     # some get paused (Demote) and resumed (Retain)
-    config = PolicyConfig(name="program_aware", growth_reserve_tokens=8, buffer_per_program=0)
+    config = ProgramAwareConfig(growth_reserve_tokens=8, buffer_per_program=0)
     policy = make_policy(config)
     sim = simulation(policy, OpenLoop(specs), workers=2, num_blocks=40, duration_s=600.0,
                      stop_when_done=True)
