@@ -39,10 +39,10 @@ class Drain:
     def track(self, call: Cuttable) -> None:
         if self.cut:
             call.cut_by_drain()  # arrived on a connection still open after the cut (invariant 2)
-        self._open.add(call)
+        self._open.add(call)  # invariant 1: from its start ...
 
     def untrack(self, call: Cuttable) -> None:
-        self._open.discard(call)
+        self._open.discard(call)  # ... to its end (invariant 1)
 
     def open(self) -> None:
         """Bind to the running event loop (the app's lifespan calls it)."""

@@ -105,12 +105,14 @@ class _Block:
 class WorkerKV:
     """One worker's resident blocks and the per-session views derived from them.
 
-    Invariants: ``session_tokens[s] == sum(b.tokens for b in blocks if s in b.sessions)``;
-    ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks if len(b.sessions) > 1)``,
-    where ``b.counted`` is the number of counted sessions of ``b`` (kept for those blocks only);
-    ``shared_blocks[s]`` holds exactly the blocks of ``s`` that another session holds too;
-    ``children(h) == sum(1 for b in blocks if b.parent == h)``, kept in ``blocks[h].children``
-    for a resident ``h``, else in ``holes[h]`` or ``_orphans[h]`` (disjoint; zero counts absent).
+    **Invariants** (cited where kept):
+
+    1. ``session_tokens[s] == sum(b.tokens for b in blocks if s in b.sessions)``.
+    2. ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks if len(b.sessions) > 1)``,
+       where ``b.counted`` is the number of counted sessions of ``b`` (kept for those blocks only).
+    3. ``shared_blocks[s]`` holds exactly the blocks of ``s`` that another session holds too.
+    4. ``children(h) == sum(1 for b in blocks if b.parent == h)``, kept in ``blocks[h].children``
+       for a resident ``h``, else in ``holes[h]`` or ``_orphans[h]`` (disjoint; zero counts absent).
     """
 
     def __init__(self) -> None:
@@ -153,7 +155,7 @@ class WorkerKV:
                 block = _Block(parent, above, tokens, prefix, session, continuation)
                 blocks[block_hash] = block
                 if above is not None:
-                    above.children += 1
+                    above.children += 1  # keeps invariant 4
                 elif parent is not None:
                     if parent in holes:
                         holes[parent] += 1
@@ -189,14 +191,14 @@ class WorkerKV:
             return
         sessions = block.sessions
         sessions[session] = None
-        self.session_tokens[session] = self.session_tokens.get(session, 0) + block.tokens
+        self.session_tokens[session] = self.session_tokens.get(session, 0) + block.tokens  # invariant 1
         self.session_blocks.setdefault(session, {})[block_hash] = None
         if len(sessions) == 1:
             return
         counted = self.counted
         shared = self.shared_blocks
         if len(sessions) == 2:
-            # Shared from now on: count it, and list it under its first session too.
+            # Shared from now on: count it, and list it under its first session too (invariant 3).
             (first,) = (s for s in sessions if s != session)
             shared.setdefault(first, {})[block_hash] = None
             block.counted = 1 if first in counted else 0
@@ -204,7 +206,7 @@ class WorkerKV:
         if session in counted:
             block.counted += 1
             if block.counted >= 2:
-                self.shared_tokens += block.tokens
+                self.shared_tokens += block.tokens  # keeps invariant 2
 
     def remove(self, event: BlockRemoved) -> None:
         hashes = event.block_hashes
@@ -254,14 +256,14 @@ class WorkerKV:
                 holes[block_hash] = children
             multi = len(block.sessions) > 1
             if multi and block.counted >= 2:
-                self.shared_tokens -= block.tokens * (block.counted - 1)
+                self.shared_tokens -= block.tokens * (block.counted - 1)  # keeps invariant 2
             for session in block.sessions:
                 if multi:
                     shared = self.shared_blocks[session]
                     del shared[block_hash]
                     if not shared:
                         del self.shared_blocks[session]
-                left = self.session_tokens[session] - block.tokens
+                left = self.session_tokens[session] - block.tokens  # keeps invariants 1 and 3
                 owned = self.session_blocks[session]
                 del owned[block_hash]
                 if owned:
@@ -345,7 +347,7 @@ class WorkerKV:
                 if block.counted >= 2:
                     change -= block.tokens
                 block.counted -= 1
-        self.shared_tokens += change
+        self.shared_tokens += change  # keeps invariant 2
 
     # -- queries -------------------------------------------------------------------------
 
@@ -424,9 +426,9 @@ class HostKV:
     write-through from running requests, so the GPU copy is there then). A block whose GPU
     copy is already gone counts for nobody: it is under-reported, never over.
 
-    Invariants: ``session_tokens[s] == sum(tokens of b for b in blocks if s in sessions of b)``
-    and ``session_blocks[s]`` lists exactly those blocks. Bounded by the tier's capacity, as the
-    GPU side is by the pool's.
+    Invariant 5: ``session_tokens[s] == sum(tokens of b for b in blocks if s in sessions of b)``
+    and ``session_blocks[s]`` lists exactly those blocks (numbered after :class:`WorkerKV`'s).
+    Bounded by the tier's capacity, as the GPU side is by the pool's.
     """
 
     def __init__(self) -> None:
@@ -448,7 +450,7 @@ class HostKV:
                 on_gpu = gpu.blocks.get(block_hash)
                 sessions = tuple(on_gpu.sessions) if on_gpu is not None else ()
             self.blocks[block_hash] = (tokens, sessions)
-            for session in sessions:
+            for session in sessions:  # keeps invariant 5
                 self.session_tokens[session] = self.session_tokens.get(session, 0) + tokens
                 self.session_blocks.setdefault(session, {})[block_hash] = None
 
@@ -459,7 +461,7 @@ class HostKV:
                 self.unknown_removals += 1
                 continue
             tokens, sessions = held
-            for session in sessions:
+            for session in sessions:  # keeps invariant 5
                 owned = self.session_blocks[session]
                 del owned[block_hash]
                 if owned:

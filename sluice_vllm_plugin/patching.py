@@ -22,7 +22,7 @@ def then(hook: Callable[[Any], None]) -> Callable[[Callable[..., None]], Callabl
 class MethodPatches:
     """Wrappers put on methods of vLLM classes, and taken off again (tests, a second load).
 
-    Invariant: while applied, ``_originals`` holds each patched method as vLLM defined it;
+    Invariant 1: while applied, ``_originals`` holds each patched method as vLLM defined it;
     applying twice is a no-op, so the original is never a wrapper."""
 
     def __init__(self, wrappers: list[tuple[type, str, Callable[[Any], Any]]]) -> None:
@@ -31,7 +31,7 @@ class MethodPatches:
 
     def apply(self) -> None:
         if self._originals:
-            return
+            return  # applied already: wrapping again would record a wrapper (invariant 1)
         for cls, name, wrap in self._wrappers:
             orig = cls.__dict__[name]
             self._originals[(cls, name)] = orig

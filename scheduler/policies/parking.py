@@ -111,7 +111,7 @@ class ParkingLot:
             program.place(worker, now)
         else:
             program.resume(worker, now)
-        self.unpark(program.session_id)
+        self.unpark(program.session_id)  # keeps invariant 2: ACTIVE again, parked no more
         ledger.refresh(program)
         if forced:
             stats.forced_resumes += 1
@@ -227,7 +227,7 @@ class Parking:
 
     def forget(self, session: str) -> None:
         """The program was released."""
-        self.lot.unpark(session)
+        self.lot.unpark(session)  # keeps invariant 2
         self._idle.trim()
 
 
