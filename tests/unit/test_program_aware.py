@@ -982,3 +982,13 @@ def test_an_estimated_prompt_is_refined_from_the_engines_count_of_the_answered_c
              prompt_estimated=True)
     # its demand: 320 counted by the engine + 70 estimated after the answer, not 420
     assert d.u() == pytest.approx(0.39)
+
+
+def test_with_a_host_tier_a_worker_of_unknown_capacity_takes_nothing_and_breaks_no_tick():
+    """A worker added before its /metrics is read has no capacity: it takes no program, and
+    the tier's "runs all its programs" test does not compare against it."""
+    d = Driver(make({"w0": CAP, "w1": None}, retention={"host_tier": True}))
+    assert d.acting("a", 900) == "w0"
+    actions = d.p.tick(1.0)
+    assert of(actions, Pause) == [] and d.p.programs[SessionId("a")].home_worker == "w0"
+    assert not d.p.in_soft_band("w1")

@@ -86,9 +86,9 @@ class TieredCapacity(PoolCapacity):
         its GPU runs without thrashing until every program it paused is back (without that
         hysteresis a worker near the limit flips between the two every few ticks: measured
         105k pauses in 30 min at CC512)."""
-        if self._paused_tokens.get(worker, 0):
-            return False
         capacity = self._ledger.worker(worker).capacity_tokens
+        if self._paused_tokens.get(worker, 0) or capacity is None:
+            return False  # a worker of unknown capacity takes no program at all
         return self._homed_tokens.get(worker, 0) + newcomer <= self.config.host_tier_overcommit * capacity
 
     def highest_threshold(self) -> float:
