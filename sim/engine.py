@@ -122,7 +122,6 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     busy_s: float = 0.0
-    host_stored_blocks: int = 0
     host_loaded_tokens: int = 0
     host_evicted_blocks: int = 0
 
@@ -625,7 +624,6 @@ class Engine:
             request.host_offered_blocks = storable
             self.stats.host_evicted_blocks += len(outcome.evicted)
             if outcome.stored:
-                self.stats.host_stored_blocks += len(outcome.stored)
                 done = self._to_host.transfer(step_end, len(outcome.stored) * bs
                                               * self.model.kv_bytes_per_token)
                 self._stores.append((done, outcome.stored))
