@@ -28,7 +28,8 @@ from scheduler.calls import CallRequest, Usage
 from scheduler.coordinates import ContinuationChain, ContinuationId, SessionId
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy
-from sim.engine import Engine, EngineRequest
+from sim.engine import Engine
+from sim.engine_request import EngineRequest
 from sim.programs import ProgramSpec
 from sim.step_time import StepTimeModel
 
@@ -599,7 +600,7 @@ class Simulation:
     def _result(self) -> SimResult:
         stats = [engine.stats for engine in self.engines]
         policy_stats = self.policy.stats
-        tiered = any(engine.host_tier is not None for engine in self.engines)
+        connectors = [engine.offloading for engine in self.engines if engine.offloading is not None]
         elapsed = min(self.duration_s, self._now) if self._stop_when_done else self.duration_s
         return SimResult(
             policy=self.policy.name,
@@ -619,6 +620,6 @@ class Simulation:
             forced_resumes=policy_stats.forced_resumes,
             utilization=self._utilization,
             batch_makespans_s=self.feed.batch_makespans_s(),
-            host_loaded_tokens=sum(s.host_loaded_tokens for s in stats) if tiered else None,
-            host_evicted_blocks=sum(s.host_evicted_blocks for s in stats) if tiered else None,
+            host_loaded_tokens=sum(c.loaded_tokens for c in connectors) if connectors else None,
+            host_evicted_blocks=sum(c.evicted_blocks for c in connectors) if connectors else None,
         )

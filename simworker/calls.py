@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 import anyio
 from starlette.responses import JSONResponse, Response
 
-from sim.engine import EngineRequest
+from sim.engine_request import EngineRequest
 from sim.tokens import PseudoTokenizer
 from simworker.tool_calls import NO_TOOL_CHOICE, ToolCallReply, ToolChoice, ToolSpec
 from simworker.validation import InvalidRequest

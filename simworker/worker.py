@@ -108,7 +108,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from scheduler.kv_events import BlockStored
-from sim.engine import SCHEDULING_POLICIES, Engine, EngineRequest
+from sim.engine import SCHEDULING_POLICIES, Engine
+from sim.engine_request import EngineRequest
 from sim.step_time import DEFAULT_PRESET
 from sim.step_time import preset as load_preset
 from sim.tokens import FILLER_WORDS, PromptError, PseudoTokenizer, block_hashes, prompt_seed, tool_calls_text
