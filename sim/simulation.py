@@ -6,9 +6,14 @@ batches from the engines, ticks) and carries out its decisions: an ``Admit`` que
 call on that engine with :func:`scheduler.actions.engine_priority` of its priority, the
 integer the gateway sends a live engine (it orders the engine's queue only under
 ``scheduling_policy="priority"``, as vLLM's ``--scheduling-policy``; under ``"fcfs"`` the
-engines ignore it), a ``Hold`` keeps it until a later ``Admit``, ``Retain`` / ``Demote`` / ``Release`` bias the engine's eviction order, and
-``Offload`` / ``Prefetch`` do the same in its host tier (the engine plugin's semantics). It
-never decides anything itself.
+engines ignore it), a ``Hold`` keeps it until a later ``Admit``, ``Retain`` / ``Demote`` /
+``Release`` bias the engine's eviction order, and ``Offload`` / ``Prefetch`` do the same in its
+host tier (the engine plugin's semantics). It never decides anything itself, and it reads the
+policy as the gateway's metrics and admin API do: through the policy's interface and its
+snapshot (scheduler/snapshot.py), never its insides.
+
+Which programs start when is the feed's (sim/feeds.py); the result of a run is a
+:class:`SimResult`, whose ``summary`` is a row of ``sluice sim --json`` (sim/report.py).
 """
 
 from __future__ import annotations
