@@ -28,8 +28,8 @@ each request gets the same blocks, the same blocks are evicted in the same order
 KV events are the same). An arrival truncates the run at the first iteration boundary
 after it.
 
-For the simworker (simworker/engine_driver.py), which runs this model in scaled real time behind an
-HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunks), a
+For the simworker (simworker/engine_driver.py), which runs this model in scaled real time
+behind an HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunks), a
 request can carry its token ids (put on ``BlockStored`` events as vLLM does) and ask for
 ``kv_cache_report_mode: "full"`` on its own, and ``abort`` drops a call whose client went
 away. None of these changes anything for callers that do not use them.
