@@ -143,7 +143,7 @@ from simworker.validation import (
 
 # SimWorkerConfig and DEFAULT_MAX_MODEL_LEN live in simworker/config.py; callers import them from
 # here with create_app.
-__all__ = ["DEFAULT_MAX_MODEL_LEN", "Prepared", "SimWorker", "SimWorkerConfig", "create_app"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "SimWorker", "SimWorkerConfig", "create_app"]
 
 
 class Prepared(NamedTuple):
