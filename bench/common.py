@@ -1,9 +1,13 @@
-"""Output helpers shared by the benchmarks: results on stdout, everything else on stderr."""
+"""What the benchmarks share: results on stdout, everything else on stderr, percentiles, and
+an asyncio runner on uvloop."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 
 def progress(message: str) -> None:
@@ -27,3 +31,13 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run`` on uvloop when it is installed (the ``live`` extra brings it)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

@@ -3,26 +3,20 @@ and the latency it adds to streams.
 
 Three processes on loopback (127.0.0.1, free ports picked at start):
 
-- a **fast upstream** (:class:`_UpstreamProtocol`, a raw asyncio HTTP/1.1 server on uvloop
-  with httptools' parser, started as ``python -m bench.gateway upstream PORT``):
-  OpenAI-shaped chat completions with no model. A non-streaming answer is one pre-encoded
-  ``chat.completion`` body with usage. A stream (chunked, as vLLM sends it) is the role
-  chunk, ``max_tokens`` content chunks, the ``finish_reason`` chunk, the usage-only chunk
-  when the request asks for it, then ``data: [DONE]``; each event is its own write, and with
-  an ``x-bench-gap-ms`` header the events are that far apart (each at its own time from the
-  start of the stream), as an engine's tokens are.
-  ``GET /health`` answers 200 and ``GET /v1/models`` names the model, as vLLM does (the
-  gateway checks each call's model against that list). It is raw so that it costs little of the core it shares with
-  the load generator.
+- a **fast upstream** (bench/fast_upstream.py, started as ``python -m bench.fast_upstream
+  PORT``): OpenAI-shaped chat completions with no model, pre-encoded, streamed chunk by chunk
+  as vLLM streams them, each event ``x-bench-gap-ms`` apart when the request asks.
 - the **gateway**, exactly as users run it: ``sluice serve --config FILE`` (run as
   ``python -m entry.cli serve``) with one worker pointing at that upstream,
   ``capacity_tokens`` 10^12 and the default ``program_aware`` policy, so it never holds a call
   — every admission decision, identity resolution, metric, request-log line (the default
   ``info`` level; its stderr goes to a file) and tick still happens.
-- the **load generator**: this process — raw keep-alive HTTP/1.1 connections on uvloop with
-  httptools' parser (:class:`_LoadConnection`), one per closed-loop client, each client its
-  own ``x-session-id`` (so its own program). An httpx client costs more CPU per request than
-  the gateway being measured and would be the bottleneck.
+- the **load generator**: this process (bench/load_generator.py) — raw keep-alive HTTP/1.1
+  connections, one per closed-loop client, each client its own ``x-session-id`` (so its own
+  program).
+
+This module starts and stops the processes, pins them to their CPUs and runs the measured
+phases.
 
 With two or more CPUs the gateway runs alone on CPU 0 and the upstream and the load
 generator share the others (``sched_setaffinity``, set before the gateway's ``exec`` so
@@ -83,30 +77,24 @@ gateway_overhead_p99_ms       664                             13–39
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from bench.common import percentile, progress, result
+from bench.common import percentile, progress, result, run_loop
+from bench.load_generator import Load, request_bytes, window
 from entry.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 LOG_TAIL_BYTES = 4_000
-# Failed requests (a 502, a broken stream) are counted, reported and left out of the
-# timings; more than this many in one phase abort the benchmark.
-MAX_FAILURES = 20
 GATEWAY_CPU = 0
 BENCH_NICE = -10
 
@@ -123,170 +111,6 @@ OVERHEAD_GAP_MS = 20.0
 OVERHEAD_THINK_MS = 100.0
 
 # -- the fast upstream -------------------------------------------------------------------------
-
-MODEL = "bench-fast"
-_CREATED = 1_700_000_000
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _chunk(delta: dict, finish: str | None = None) -> dict:
-    return {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": _CREATED,
-            "model": MODEL, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish}]}
-
-
-_USAGE = {"prompt_tokens": 24, "completion_tokens": 6, "total_tokens": 30,
-          "prompt_tokens_details": {"cached_tokens": 16}}
-_WORDS = ("Hello", " from", " the", " fast", " upstream")
-ROLE_EVENT = _sse(_chunk({"role": "assistant", "content": ""}))
-WORD_EVENTS = tuple(_sse(_chunk({"content": word})) for word in _WORDS)
-FINISH_EVENT = _sse(_chunk({}, "stop"))
-USAGE_EVENT = _sse({"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": _CREATED,
-                    "model": MODEL, "choices": [], "usage": _USAGE})
-DONE_EVENT = b"data: [DONE]\n\n"
-WHOLE_BODY = json.dumps({
-    "id": "chatcmpl-bench", "object": "chat.completion", "created": _CREATED, "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(_WORDS)},
-                 "logprobs": None, "finish_reason": "stop"}],
-    "usage": _USAGE,
-}, separators=(",", ":")).encode()
-
-
-def _http_chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-_WHOLE_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                   + str(len(WHOLE_BODY)).encode() + b"\r\n\r\n" + WHOLE_BODY)
-_STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                b"transfer-encoding: chunked\r\n\r\n")
-_HEALTH_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
-_MODELS_BODY = json.dumps({"object": "list", "data": [
-    {"id": MODEL, "object": "model", "created": _CREATED, "owned_by": "bench"}]}).encode()
-_MODELS_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                    + str(len(_MODELS_BODY)).encode() + b"\r\n\r\n" + _MODELS_BODY)
-_NOT_FOUND_RESPONSE = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
-_BAD_RESPONSE = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n"
-_STREAM_ROLE = _http_chunk(ROLE_EVENT)
-_STREAM_WORDS = tuple(_http_chunk(event) for event in WORD_EVENTS)
-_STREAM_END = _http_chunk(FINISH_EVENT)
-_STREAM_USAGE = _http_chunk(USAGE_EVENT)
-_STREAM_DONE = _http_chunk(DONE_EVENT) + b"0\r\n\r\n"
-
-
-class _UpstreamProtocol(asyncio.Protocol):
-    """One keep-alive connection to the fast upstream (requests answered in order)."""
-
-    def __init__(self) -> None:
-        import httptools
-
-        self._parser = httptools.HttpRequestParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._url = b""
-        self._body: list[bytes] = []
-        self._gap_s = 0.0
-        self._header_name = b""
-        self._queue: list[tuple[bytes, bytes, bytes, float]] = []
-        self._busy = False
-
-    def connection_made(self, transport: Any) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        import httptools
-
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            assert self._transport is not None
-            self._transport.write(_BAD_RESPONSE)
-            self._transport.close()
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self._url, self._body, self._gap_s = b"", [], 0.0
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"x-bench-gap-ms":
-            self._gap_s = float(value) / 1e3
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        self._queue.append((self._parser.get_method(), self._url, b"".join(self._body), self._gap_s))
-        if not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().create_task(self._answer_queued())
-
-    async def _answer_queued(self) -> None:
-        try:
-            while self._queue:
-                await self._answer(*self._queue.pop(0))
-        finally:
-            self._busy = False
-
-    async def _answer(self, method: bytes, url: bytes, body: bytes, gap_s: float) -> None:
-        transport = self._transport
-        assert transport is not None
-        if method == b"GET" and url == b"/health":
-            transport.write(_HEALTH_RESPONSE)
-            return
-        if method == b"GET" and url == b"/v1/models":
-            transport.write(_MODELS_RESPONSE)
-            return
-        if method != b"POST" or url != b"/v1/chat/completions":
-            transport.write(_NOT_FOUND_RESPONSE)
-            return
-        try:
-            request = json.loads(body)
-        except ValueError:
-            transport.write(_BAD_RESPONSE)
-            return
-        if request.get("stream") is not True:
-            transport.write(_WHOLE_RESPONSE)
-            return
-        options = request.get("stream_options")
-        with_usage = isinstance(options, dict) and options.get("include_usage") is True
-        words = request.get("max_tokens") or len(_STREAM_WORDS)
-        transport.write(_STREAM_HEAD + _STREAM_ROLE)
-        # Each event at its own time from the start, as an engine's steps come: a late wake-up
-        # (this process shares its core) delays one event, not every event after it.
-        start = asyncio.get_running_loop().time()
-        for i in range(words):
-            if gap_s:
-                await asyncio.sleep(start + (i + 1) * gap_s - asyncio.get_running_loop().time())
-            if transport.is_closing():
-                return  # the gateway went away mid-stream
-            transport.write(_STREAM_WORDS[i % len(_STREAM_WORDS)])
-        transport.write(_STREAM_END)
-        if with_usage:
-            transport.write(_STREAM_USAGE)
-        transport.write(_STREAM_DONE)
-
-
-async def _serve_upstream(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(_UpstreamProtocol, "127.0.0.1", port,
-                                                            backlog=1024)
-    async with server:
-        await server.serve_forever()
-
-
-def _run_loop(main: Coroutine[Any, Any, Any]) -> Any:
-    """``asyncio.run`` on uvloop when it is installed (the ``live`` extra brings it)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
-
 
 # -- child processes ---------------------------------------------------------------------------
 
@@ -396,7 +220,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def _start_upstream(workdir: Path, cpus: set[int] | None) -> tuple[_Child, str]:
     port = free_port()
-    child = _Child("fast upstream", [sys.executable, "-m", "bench.gateway", "upstream", str(port)],
+    child = _Child("fast upstream", [sys.executable, "-m", "bench.fast_upstream", str(port)],
                    workdir / "upstream.log", cpus)
     return child, f"http://127.0.0.1:{port}"
 
@@ -431,202 +255,6 @@ def _start_gateway(workdir: Path, upstream_url: str, label: str, cpus: set[int] 
     return child, f"http://127.0.0.1:{port}"
 
 
-# -- load --------------------------------------------------------------------------------------
-
-
-def _request(port: int, session: str, *, stream: bool, usage: bool = True, words: int = 5,
-             gap_ms: float = 0.0) -> bytes:
-    """One pre-encoded HTTP/1.1 request (sent again and again by its closed-loop client)."""
-    body: dict = {
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": "You are the benchmark's agent. Answer briefly."},
-            {"role": "user", "content": f"Say hello to {session}."},
-        ],
-        "max_tokens": words,
-    }
-    if stream:
-        body["stream"] = True
-        if usage:
-            body["stream_options"] = {"include_usage": True}
-    encoded = json.dumps(body, separators=(",", ":")).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(encoded)}\r\n"
-            f"x-session-id: {session}\r\nauthorization: Bearer bench\r\n")
-    if gap_ms:
-        head += f"x-bench-gap-ms: {gap_ms}\r\n"
-    return head.encode() + b"\r\n" + encoded
-
-
-class RequestFailed(Exception):
-    pass
-
-
-class _LoadConnection(asyncio.Protocol):
-    """One keep-alive client connection: send a request, wait for the whole response."""
-
-    def __init__(self) -> None:
-        import httptools
-
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._done: asyncio.Future[tuple[int, bytes]] | None = None
-        self._body: list[bytes] = []
-        self.first_byte_at = 0.0
-
-    def connection_made(self, transport: Any) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        import httptools
-
-        if not self.first_byte_at:
-            self.first_byte_at = time.perf_counter()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as err:
-            self._fail(RequestFailed(f"bad response: {err}"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(RequestFailed(f"connection closed: {exc}"))
-
-    def _fail(self, err: Exception) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(err)
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_result((self._parser.get_status_code(), b"".join(self._body)))
-
-    async def request(self, data: bytes) -> tuple[int, bytes]:
-        assert self._transport is not None
-        if self._transport.is_closing():
-            raise RequestFailed("connection closed")
-        self._body = []
-        self.first_byte_at = 0.0
-        self._done = asyncio.get_running_loop().create_future()
-        self._transport.write(data)
-        return await self._done
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-
-class _Load:
-    """Closed-loop clients against one target, each on its own connection."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.conns: list[_LoadConnection] = []
-        self.failed = 0
-        self.first_failure: str | None = None
-
-    async def connect(self, count: int) -> None:
-        loop = asyncio.get_running_loop()
-        while len(self.conns) < count:
-            _, conn = await loop.create_connection(_LoadConnection, "127.0.0.1", self.port)
-            self.conns.append(conn)
-
-    async def reconnect(self) -> None:
-        """Fresh connections: a server closes idle keep-alive ones (uvicorn after 5 s), and
-        the other path's round may have left these idle that long."""
-        count = len(self.conns)
-        self.close()
-        self.conns = []
-        await self.connect(count)
-
-    def close(self) -> None:
-        for conn in self.conns:
-            conn.close()
-
-    async def call(self, i: int, data: bytes, stream: bool) -> tuple[float, float] | None:
-        """One request on connection ``i``: (latency, time to first byte) in seconds, or None
-        when it failed (counted; too many abort). A failed connection is replaced."""
-        start = time.perf_counter()
-        try:
-            status, body = await self.conns[i].request(data)
-            if status != 200 or (stream and not body.endswith(DONE_EVENT)):
-                raise RequestFailed(f"answered {status}: {body[-300:]!r}")
-        except RequestFailed as err:
-            self.failed += 1
-            if self.first_failure is None:
-                self.first_failure = str(err)
-            if self.failed > MAX_FAILURES:
-                raise RuntimeError(f"more than {MAX_FAILURES} requests failed; the first: "
-                                   f"{self.first_failure}") from err
-            self.conns[i].close()
-            _, self.conns[i] = await asyncio.get_running_loop().create_connection(
-                _LoadConnection, "127.0.0.1", self.port)
-            return None
-        end = time.perf_counter()
-        return end - start, self.conns[i].first_byte_at - start
-
-    def failures(self) -> str:
-        return f"{self.failed} failed (first: {self.first_failure})" if self.failed else "none failed"
-
-
-async def _window(load: _Load, requests: list[bytes], stream: bool, warmup_s: float, window_s: float,
-                  meter: Callable[[], float] | None) -> tuple[float, float | None]:
-    """Closed loop, one client per request in ``requests``: (completed per second inside the
-    window, ``meter``'s CPU seconds per completed request inside it)."""
-    await load.connect(len(requests))
-    await load.reconnect()
-    counting = False
-    stop = False
-    done = 0
-
-    async def loop(i: int) -> None:
-        nonlocal done
-        while not stop:
-            if await load.call(i, requests[i], stream) is not None and counting:
-                done += 1
-
-    async with asyncio.TaskGroup() as tg:
-        for i in range(len(requests)):
-            tg.create_task(loop(i))
-        await asyncio.sleep(warmup_s)
-        cpu_before = meter() if meter else 0.0
-        counting, start = True, time.perf_counter()
-        await asyncio.sleep(window_s)
-        counting, elapsed = False, time.perf_counter() - start
-        cpu = (meter() - cpu_before) / done if meter and done else None
-        stop = True
-    return done / elapsed, cpu
-
-
-async def _rounds(load: _Load, requests: list[bytes], count: int, think_s: float,
-                  seed: int) -> list[tuple[float, float]]:
-    """``count`` streams from ``len(requests)`` closed-loop clients, each waiting a random
-    time in [0, 2 ``think_s``] before each request: (latency, ttfb) of each stream. Each
-    client's first stream of the round is not timed: it opens the connections (the load
-    generator's, and the gateway's to the upstream, whose idle ones expired while the other
-    path's round ran) — a cost of the round's start, not of a call."""
-    await load.connect(len(requests))
-    await load.reconnect()
-    timings: list[tuple[float, float]] = []
-    left = count
-    rng = random.Random(seed)
-
-    async def loop(i: int) -> None:
-        nonlocal left
-        await load.call(i, requests[i], True)
-        while left > 0:
-            left -= 1
-            await asyncio.sleep(rng.uniform(0, 2 * think_s))
-            timing = await load.call(i, requests[i], True)
-            if timing is not None:
-                timings.append(timing)
-
-    async with asyncio.TaskGroup() as tg:
-        for i in range(len(requests)):
-            tg.create_task(loop(i))
-    return timings
-
-
 def _ms(values: list[float], q: float) -> float:
     return percentile(values, q) * 1e3
 
@@ -637,18 +265,18 @@ def _ms(values: list[float], q: float) -> float:
 async def _throughput(upstream_port: int, gateway_port: int, gateway: _Child, warmup_s: float,
                       window_s: float) -> tuple[float, float]:
     def requests(port: int) -> list[bytes]:
-        return [_request(port, f"bench-whole-{i:03d}", stream=False)
+        return [request_bytes(port, f"bench-whole-{i:03d}", stream=False)
                 for i in range(THROUGHPUT_CLIENTS)]
 
-    via = _Load(gateway_port)
+    via = Load(gateway_port)
     try:
-        rate, cpu = await _window(via, requests(gateway_port), False, warmup_s, window_s,
+        rate, cpu = await window(via, requests(gateway_port), False, warmup_s, window_s,
                                   gateway.cpu_seconds)
     finally:
         via.close()
-    direct = _Load(upstream_port)
+    direct = Load(upstream_port)
     try:
-        ceiling, _ = await _window(direct, requests(upstream_port), False, warmup_s / 2,
+        ceiling, _ = await window(direct, requests(upstream_port), False, warmup_s / 2,
                                    window_s / 2, None)
     finally:
         direct.close()
@@ -662,12 +290,12 @@ async def _throughput(upstream_port: int, gateway_port: int, gateway: _Child, wa
 async def _per_chunk(gateway_port: int, gateway: _Child, warmup_s: float, window_s: float) -> float:
     per_stream = {}
     for words in (SHORT_EVENTS, LONG_EVENTS):
-        load = _Load(gateway_port)
+        load = Load(gateway_port)
         try:
-            requests = [_request(gateway_port, f"bench-chunks-{words}-{i:03d}", stream=True,
+            requests = [request_bytes(gateway_port, f"bench-chunks-{words}-{i:03d}", stream=True,
                                  usage=False, words=words, gap_ms=CHUNK_GAP_MS)
                         for i in range(CHUNK_STREAMS)]
-            rate, cpu = await _window(load, requests, True, warmup_s, window_s, gateway.cpu_seconds)
+            rate, cpu = await window(load, requests, True, warmup_s, window_s, gateway.cpu_seconds)
         finally:
             load.close()
         assert cpu is not None
@@ -684,10 +312,10 @@ async def _per_chunk(gateway_port: int, gateway: _Child, warmup_s: float, window
 async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, rounds: int,
                     per_round: int, deadline: float) -> tuple[float, float]:
     def requests(port: int) -> list[bytes]:
-        return [_request(port, f"bench-stream-{i:03d}", stream=True, words=OVERHEAD_EVENTS,
+        return [request_bytes(port, f"bench-stream-{i:03d}", stream=True, words=OVERHEAD_EVENTS,
                          gap_ms=OVERHEAD_GAP_MS) for i in range(STREAMS)]
 
-    loads = {"direct": _Load(upstream_port), "via": _Load(gateway_port)}
+    loads = {"direct": Load(upstream_port), "via": Load(gateway_port)}
     reqs = {"direct": requests(upstream_port), "via": requests(gateway_port)}
     samples: dict[str, list[tuple[float, float]]] = {"direct": [], "via": []}
     try:
@@ -699,7 +327,7 @@ async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, roun
             raise RuntimeError(f"the gateway changed the stream: {same[0]!r} vs {same[1]!r}")
         think_s = OVERHEAD_THINK_MS / 1e3
         for name in ("direct", "via"):  # warm-up: connections, programs, code paths
-            await _rounds(loads[name], reqs[name], STREAMS, think_s, seed=0)
+            await rounds(loads[name], reqs[name], STREAMS, think_s, seed=0)
         for r in range(rounds):
             if r >= 2 and time.perf_counter() > deadline:
                 progress(f"gateway: c={STREAMS}: stopping after {r} rounds (time budget)")
@@ -707,7 +335,7 @@ async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, roun
             for name in (("direct", "via") if r % 2 == 0 else ("via", "direct")):
                 started, cpu = time.perf_counter(), gateway.cpu_seconds()
                 # the same think times on both paths (seeded by round)
-                timings = await _rounds(loads[name], reqs[name], per_round, think_s, seed=r + 1)
+                timings = await rounds(loads[name], reqs[name], per_round, think_s, seed=r + 1)
                 busy = (gateway.cpu_seconds() - cpu) / (time.perf_counter() - started)
                 samples[name] += timings
                 lat = [t[0] for t in timings]
@@ -733,12 +361,12 @@ async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, roun
 
 
 async def _profile_load(gateway_port: int, window_s: float) -> None:
-    whole = _Load(gateway_port)
-    streams = _Load(gateway_port)
+    whole = Load(gateway_port)
+    streams = Load(gateway_port)
     try:
-        await _window(whole, [_request(gateway_port, f"bench-whole-{i:03d}", stream=False)
+        await window(whole, [request_bytes(gateway_port, f"bench-whole-{i:03d}", stream=False)
                               for i in range(THROUGHPUT_CLIENTS)], False, 0.5, window_s, None)
-        await _window(streams, [_request(gateway_port, f"bench-chunks-{i:03d}", stream=True,
+        await window(streams, [request_bytes(gateway_port, f"bench-chunks-{i:03d}", stream=True,
                                          usage=False, words=50, gap_ms=CHUNK_GAP_MS)
                                 for i in range(CHUNK_STREAMS)], True, 0.5, window_s, None)
     finally:
@@ -824,10 +452,10 @@ def run(*, quick: bool = False, profile: bool = False) -> dict[str, float]:
                      f"{sorted(gateway_cpus or [])}, upstream and load on {sorted(other_cpus or [])}")
             up_port, gw_port = _port(upstream_url), _port(gateway_url)
 
-            numbers["req_per_s"], numbers["cpu_per_request"] = _run_loop(
+            numbers["req_per_s"], numbers["cpu_per_request"] = run_loop(
                 _throughput(up_port, gw_port, gateway, warmup_s, window_s))
-            numbers["cpu_per_chunk"] = _run_loop(_per_chunk(gw_port, gateway, warmup_s, window_s))
-            numbers["p50"], numbers["p99"] = _run_loop(_overhead(
+            numbers["cpu_per_chunk"] = run_loop(_per_chunk(gw_port, gateway, warmup_s, window_s))
+            numbers["p50"], numbers["p99"] = run_loop(_overhead(
                 up_port, gw_port, gateway, rounds, per_round,
                 time.perf_counter() + overhead_budget_s))
             gateway.stop()
@@ -840,7 +468,7 @@ def run(*, quick: bool = False, profile: bool = False) -> dict[str, float]:
                                                         gateway_cpus, prof_path)
                 children.append(profiled)
                 profiled.wait_ready(profiled_url + "/health")
-                _run_loop(_profile_load(_port(profiled_url), window_s))
+                run_loop(_profile_load(_port(profiled_url), window_s))
                 profiled.stop()
                 children.remove(profiled)
                 _print_profile(prof_path)
@@ -857,12 +485,3 @@ def run(*, quick: bool = False, profile: bool = False) -> dict[str, float]:
     progress(f"gateway: took {time.perf_counter() - started:.1f} s; load average "
              f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     return numbers
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "upstream":
-        with contextlib.suppress(KeyboardInterrupt):
-            _run_loop(_serve_upstream(int(sys.argv[2])))
-    else:
-        sys.exit("usage: python -m bench.gateway upstream PORT (the benchmark itself: "
-                 "python -m bench --only gateway)")

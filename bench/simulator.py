@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from bench.common import progress, result
+from sim.feeds import OpenLoop
 from sim.runs import replay_programs, run_policies, trace_span_s, workload_feed
-from sim.simulation import OpenLoop
 
 MOONCAKE = (Path(__file__).resolve().parent.parent / "experiments" / "data" / "mooncake"
             / "conversation_trace.jsonl.gz")

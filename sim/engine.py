@@ -28,14 +28,15 @@ each request gets the same blocks, the same blocks are evicted in the same order
 KV events are the same). An arrival truncates the run at the first iteration boundary
 after it.
 
-For the simworker (simworker/worker.py), which runs this model in scaled real time behind an
-HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunks), a
+For the simworker (simworker/engine_driver.py), which runs this model in scaled real time
+behind an HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunks), a
 request can carry its token ids (put on ``BlockStored`` events as vLLM does) and ask for
 ``kv_cache_report_mode: "full"`` on its own, and ``abort`` drops a call whose client went
 away. None of these changes anything for callers that do not use them.
 
 Host KV tier (vLLM's native CPU offloading; only when the model has ``kv_offload_gib > 0``,
-see sim/host_tier.py and docs/design-notes.md "Host KV tier"): every step offers the prompt
+through the engine's connector, sim/offloading.py, to sim/host_tier.py; docs/design-notes.md
+"Host KV tier"): every step offers the prompt
 blocks its tokens complete to the tier, copied GPU→host after the step; a waiting request whose
 prefix continues in the tier past its GPU hit gets blocks for it and waits, outside the batch,
 for the host→GPU copy, then runs with those tokens computed. Copies overlap compute.
@@ -44,62 +45,14 @@ for the host→GPU copy, then runs with those tokens computed. Copies overlap co
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from scheduler.kv_events import BlockHash
+from scheduler.kv_events import KVEvent
 from sim.block_pool import BlockPool
-from sim.host_tier import HostLink, HostTier
+from sim.engine_request import EngineRequest
+from sim.host_tier import HostTier
+from sim.offloading import OffloadingConnector
 from sim.step_time import StepTimeModel
-
-
-@dataclass(slots=True, eq=False)
-class EngineRequest:
-    """One call as the engine sees it. ``hashes`` are the full-block hashes of the whole
-    sequence the call will have (prompt then output), so the blocks its output fills are
-    cached under the hashes the program's next prompt will look up."""
-
-    request_id: str
-    session_id: str | None
-    hashes: Sequence[BlockHash]
-    prompt_tokens: int
-    output_tokens: int
-    priority: float
-    arrival: float
-    continuation_id: str | None = None
-    # tokens of this sequence the session had computed before (to count re-prefill): the
-    # previous call's context, raised to what was computed when the request is preempted
-    known_prefix_tokens: int = 0
-    num_computed: int = 0
-    num_output: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0
-    cached_tokens: int = -1
-    reprefill_tokens: int = 0
-    first_scheduled_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    preemptions: int = 0
-    order: int = 0
-    # the sequence's token ids (prompt then output), when the caller has them: they go on
-    # BlockStored events; without them events carry an empty token list
-    token_ids: Sequence[int] | None = None
-    # this request reports its prefix hits (vLLM's per-request kv_cache_report_mode "full")
-    report_reuse: bool = False
-    # host tier: blocks offered to it so far (vLLM's next_stored_chunk_idx), blocks being
-    # loaded from it, and when that load ends
-    host_offered_blocks: int = 0
-    host_loading_blocks: int = 0
-    host_load_done_at: float = 0.0
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_tokens + self.num_output
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
 
 
 @dataclass(slots=True)
@@ -122,9 +75,6 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     busy_s: float = 0.0
-    host_stored_blocks: int = 0
-    host_loaded_tokens: int = 0
-    host_evicted_blocks: int = 0
 
 
 # vLLM's --scheduling-policy values (vllm/config/scheduler.py, 0.32).
@@ -161,18 +111,9 @@ class Engine:
         self._run: _DecodeRun | None = None
         self._order = 0
         self.finished: list[EngineRequest] = []
-        self.host_tier: HostTier | None = None
-        if model.kv_offload_gib > 0:
-            chunk_bytes = model.kv_bytes_per_token * self.block_size
-            self.host_tier = HostTier(int(model.kv_offload_gib * (1 << 30)) // chunk_bytes,
-                                      self.block_size, enable_events=enable_events)
-            self._to_host = HostLink(model.host_link_bytes_per_s)
-            self._from_host = HostLink(model.host_link_bytes_per_s)
-        # (done_at, keys) of GPU→host copies in flight; one link, so they end in order
-        self._stores: deque[tuple[float, list[BlockHash]]] = deque()
-        # requests waiting for a host→GPU load, and those whose load is done (to be admitted)
-        self.loading: list[EngineRequest] = []
-        self._loaded: list[EngineRequest] = []
+        # the host KV tier's connector, when the model has one
+        self.offloading = (OffloadingConnector(self.pool, model, enable_events=enable_events)
+                           if model.kv_offload_gib > 0 else None)
 
     def _queue_key(self, request: EngineRequest) -> float:
         """What orders the waiting queue before arrival: the priority, under vLLM's priority
@@ -186,6 +127,10 @@ class Engine:
         return self.running[-1]
 
     @property
+    def host_tier(self) -> HostTier | None:
+        return None if self.offloading is None else self.offloading.tier
+
+    @property
     def capacity_tokens(self) -> int:
         return (self.pool.num_blocks - 1) * self.block_size
 
@@ -194,14 +139,15 @@ class Engine:
         return self.busy_until is None
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.loading or self._loaded)
+        return bool(self.running or self.waiting
+                    or (self.offloading is not None and self.offloading.busy))
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KVEvent]:
         """The KV events since the last call: the GPU pool's, then the host tier's (medium
         ``"CPU"``)."""
         events = self.pool.take_events()
-        if self.host_tier is not None:
-            events += self.host_tier.take_events()
+        if self.offloading is not None:
+            events += self.offloading.take_events()
         return events
 
     # -- arrivals ---------------------------------------------------------------------
@@ -239,16 +185,16 @@ class Engine:
         as a plain iteration); the time cap is reached, not undercut, by the last step."""
         if self.busy_until is not None:
             raise RuntimeError(f"{self.name}: start() while busy until {self.busy_until}")
-        if self.host_tier is not None:
-            self._host_progress(now)
+        if self.offloading is not None:
+            self.offloading.progress(now)
         if not self.has_work():
             return None
         run_steps = self._decode_run_length()
         if run_steps >= 2:
             context = sum(r.num_computed + 1 for r in self.running)
-            if self.loading:
+            first_done = None if self.offloading is None else self.offloading.first_load_done()
+            if first_done is not None:
                 # the scheduler admits a loaded request at the first step after its load
-                first_done = min(r.host_load_done_at for r in self.loading)
                 run_steps = min(run_steps, self.model.decode_steps_within(len(self.running), context,
                                                                           first_done - now))
             if max_run_steps is not None:
@@ -263,11 +209,12 @@ class Engine:
             return self.busy_until
         scheduled = self._schedule(now)
         if not scheduled:
-            if self.loading:
+            first_done = None if self.offloading is None else self.offloading.first_load_done()
+            if first_done is not None:
                 # nothing to compute until a load lands: wait for it (an empty step)
                 self._step = []
                 self._step_start = now
-                self.busy_until = max(now, min(r.host_load_done_at for r in self.loading))
+                self.busy_until = max(now, first_done)
                 return self.busy_until
             return None
         prefill = 0
@@ -279,8 +226,8 @@ class Engine:
         self._step = scheduled
         self._step_start = now
         self.busy_until = now + self.model.step_s(prefill, len(scheduled), context)
-        if self.host_tier is not None:
-            self._offer_to_host(scheduled, self.busy_until)
+        if self.offloading is not None:
+            self.offloading.offer(scheduled, self.busy_until)
         return self.busy_until
 
     def complete(self) -> list[EngineRequest]:
@@ -306,8 +253,8 @@ class Engine:
         self.busy_until = None
         for request in done:
             self._finish(request, end)
-        if self.host_tier is not None:
-            self._host_progress(end)
+        if self.offloading is not None:
+            self.offloading.progress(end)
         return done
 
     def _complete_run(self, run: _DecodeRun, end: float) -> list[EngineRequest]:
@@ -371,15 +318,15 @@ class Engine:
         self.running.remove(request)
         self.pool.free_blocks(reversed(request.block_ids), request.session_id)
         request.block_ids = []
-        if self.host_tier is not None:
-            self.host_tier.request_finished(request.request_id)
+        if self.offloading is not None:
+            self.offloading.request_finished(request.request_id)
         self.stats.finished += 1
         self.finished.append(request)
 
     def _decode_run_length(self) -> int:
         """How many identical pure-decode iterations can run from here (0 if not a run)."""
         running = self.running
-        if not running or self._loaded:
+        if not running or (self.offloading is not None and self.offloading.loaded):
             return 0
         for request in running:
             if request.seq_len - request.num_computed != 1:
@@ -464,12 +411,13 @@ class Engine:
             index += 1
         if preempted:
             return scheduled
-        if self._loaded:
-            budget = self._admit_loaded(scheduled, budget, now)
+        if self.offloading is not None and self.offloading.loaded:
+            budget = self._admit_loaded(self.offloading.loaded, scheduled, budget, now)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][2]
             new_blocks, free_hits, hit = self._admission_cost(request, budget)
-            if self.host_tier is not None and self._start_host_load(request, hit, now):
+            if self.offloading is not None and self.offloading.start_load(request, hit, now):
+                heapq.heappop(self.waiting)  # it waits for the load outside the queue
                 continue
             if new_blocks + free_hits > pool.num_free:
                 break
@@ -495,109 +443,39 @@ class Engine:
     # -- Sluice's host-tier directives ------------------------------------------------------
 
     def offload(self, session_id: str) -> None:
-        """``kv.offload`` as the plugin runs it: park the session's blocks the tier holds (its
-        prompt blocks are there already: stored as they were computed), demote it on the GPU.
-        Without a tier it is a demotion."""
-        if self.host_tier is not None:
-            pool = self.pool
-            keys = [pool.block_hash[block_id] for block_id in pool.session_block_ids(session_id)]
-            self.host_tier.park(session_id, [key for key in keys if key is not None])
+        """``kv.offload`` as the plugin runs it: park the session's blocks the tier holds,
+        demote it on the GPU. Without a tier it is a demotion."""
+        if self.offloading is not None:
+            self.offloading.park(session_id)
         self.pool.demote(session_id)
 
     def prefetch(self, session_id: str, priority: int, deadline_s: float | None, now: float) -> None:
         """``kv.prefetch``: favour the session's parked blocks in the tier until the deadline
-        (the load itself happens when its call arrives, as in vLLM) and undo its demotion."""
-        if self.host_tier is not None:
-            until = float("inf") if deadline_s is None else now + deadline_s
-            self.host_tier.favour(session_id, priority, until)
+        and undo its demotion."""
+        if self.offloading is not None:
+            self.offloading.favour(session_id, priority, deadline_s, now)
         self.pool.release(session_id)
 
     def release_session(self, session_id: str) -> None:
         """``kv.release``: forget the session's bias on the GPU and in the tier."""
-        if self.host_tier is not None:
-            self.host_tier.unfavour(session_id)
+        if self.offloading is not None:
+            self.offloading.unfavour(session_id)
         self.pool.release(session_id)
 
-    # -- host tier ----------------------------------------------------------------------
-
-    def _host_progress(self, now: float) -> None:
-        """Complete the copies that have ended by ``now``: stores become loadable; loaded
-        blocks are cached on the GPU (vLLM caches them when the load is reported) and their
-        requests become admissible."""
-        tier = self.host_tier
-        assert tier is not None
-        tier.expire_favours(now)
-        stores = self._stores
-        while stores and stores[0][0] <= now:
-            tier.complete_store(stores.popleft()[1])
-        if not self.loading:
-            return
-        still = []
-        for request in self.loading:
-            if request.host_load_done_at > now:
-                still.append(request)
-                continue
-            first = request.num_cached_blocks
-            last = first + request.host_loading_blocks
-            tier.complete_load(request.hashes[first:last])
-            tokens = request.token_ids
-            self.pool.cache_full_blocks(request.block_ids, request.hashes, first, last,
-                                        session_id=request.session_id,
-                                        continuation_id=request.continuation_id,
-                                        token_ids=None if tokens is None
-                                        else tokens[first * self.block_size:last * self.block_size])
-            request.num_cached_blocks = last
-            request.host_loading_blocks = 0
-            self._loaded.append(request)
-        self.loading = still
-
-    def _start_host_load(self, request: EngineRequest, hit: list[int], now: float) -> bool:
-        """If the waiting head's prefix continues in the host tier past its GPU hit, take it
-        out of the queue with blocks for the GPU hit and the tier's part, and start loading
-        the latter (vLLM: WAITING_FOR_REMOTE_KVS; no tokens scheduled for it meanwhile).
-        Returns whether it did."""
-        tier = self.host_tier
-        assert tier is not None
-        bs = self.block_size
-        pool = self.pool
-        # as for a GPU hit, at least the last token is computed
-        limit = (request.seq_len - 1) // bs
-        loadable = tier.loadable_prefix(request.hashes[len(hit):limit])
-        if loadable == 0:
-            return False
-        free_hits = list(map(pool.ref_cnt.__getitem__, hit)).count(0)
-        if loadable + free_hits > pool.num_free:
-            return False
-        heapq.heappop(self.waiting)
-        pool.touch(hit)
-        keys = request.hashes[len(hit):len(hit) + loadable]
-        tier.prepare_load(keys, request.request_id, len(hit))
-        request.block_ids = hit + pool.get_new_blocks(loadable, now)
-        request.num_cached_blocks = len(hit)
-        request.num_computed = (len(hit) + loadable) * bs
-        # what was loaded is not offered back (vLLM's CHUNK_LEVEL store policy)
-        request.host_offered_blocks = max(request.host_offered_blocks, len(hit) + loadable)
-        request.host_loading_blocks = loadable
-        request.host_load_done_at = self._from_host.transfer(
-            now, loadable * bs * self.model.kv_bytes_per_token)
-        self.stats.host_loaded_tokens += loadable * bs
-        self.loading.append(request)
-        return True
-
-    def _admit_loaded(self, scheduled: list[tuple[EngineRequest, int]], budget: int,
-                      now: float) -> int:
+    def _admit_loaded(self, loaded: list[EngineRequest], scheduled: list[tuple[EngineRequest, int]],
+                      budget: int, now: float) -> int:
         """Admit requests whose host load is done, best priority first, while the budget,
         the sequence limit and free blocks allow; returns the budget left."""
         pool = self.pool
         bs = self.block_size
-        self._loaded.sort(key=lambda r: (self._queue_key(r), r.order))
-        while self._loaded and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._loaded[0]
+        loaded.sort(key=lambda r: (self._queue_key(r), r.order))
+        while loaded and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = loaded[0]
             n = min(request.seq_len - request.num_computed, budget)
             need = -(-(request.num_computed + n) // bs) - len(request.block_ids)
             if need > pool.num_free:
                 break
-            self._loaded.pop(0)
+            loaded.pop(0)
             if need > 0:
                 request.block_ids.extend(pool.get_new_blocks(need, now))
             self._account_admission(request, request.num_computed, now)
@@ -606,29 +484,6 @@ class Engine:
             scheduled.append((request, n))
             budget -= n
         return budget
-
-    def _offer_to_host(self, scheduled: list[tuple[EngineRequest, int]], step_end: float) -> None:
-        """Offer the tier the prompt blocks this step completes (vLLM offloads prompt blocks
-        only by default); new ones are copied after the step, one copy per request."""
-        tier = self.host_tier
-        assert tier is not None
-        bs = self.block_size
-        for request, n in scheduled:
-            storable = min(min(request.num_computed + n, request.prompt_tokens) // bs,
-                           len(request.hashes))
-            start = request.host_offered_blocks
-            if storable <= start:
-                continue
-            outcome = tier.prepare_store(request.hashes[start:storable], request.request_id, start)
-            if outcome is None:
-                continue  # the tier cannot make room now: offered again next step
-            request.host_offered_blocks = storable
-            self.stats.host_evicted_blocks += len(outcome.evicted)
-            if outcome.stored:
-                self.stats.host_stored_blocks += len(outcome.stored)
-                done = self._to_host.transfer(step_end, len(outcome.stored) * bs
-                                              * self.model.kv_bytes_per_token)
-                self._stores.append((done, outcome.stored))
 
     def _account_admission(self, request: EngineRequest, hit_tokens: int, now: float) -> None:
         """Hit rate counts the first admission; re-prefill counts every recomputed token
@@ -669,10 +524,10 @@ class Engine:
                 self.waiting.pop()
                 heapq.heapify(self.waiting)
                 return request  # a waiting request holds no blocks (preemption freed them)
-        for queue in (self.loading, self._loaded):
-            for request in queue:
-                if request.request_id == request_id:
-                    return self._abort_host_load(queue, request)
+        if self.offloading is not None:
+            loading = self.offloading.abort(request_id)
+            if loading is not None:
+                return loading
         for request in self.running:
             if request.request_id == request_id:
                 break
@@ -683,20 +538,6 @@ class Engine:
             self._step = [(r, n) for r, n in self._step if r is not request]
         if self._run is not None:
             self._run.requests = [r for r in self._run.requests if r is not request]
-        self.pool.free_blocks(reversed(request.block_ids), request.session_id)
-        request.block_ids = []
-        return request
-
-    def _abort_host_load(self, queue: list[EngineRequest], request: EngineRequest) -> EngineRequest:
-        """Abort a request that holds blocks for a host load (in flight or done)."""
-        tier = self.host_tier
-        assert tier is not None
-        queue.remove(request)
-        if request.host_loading_blocks:
-            first = request.num_cached_blocks
-            tier.complete_load(request.hashes[first:first + request.host_loading_blocks])
-            request.host_loading_blocks = 0
-        tier.forget_request(request.request_id)
         self.pool.free_blocks(reversed(request.block_ids), request.session_id)
         request.block_ids = []
         return request

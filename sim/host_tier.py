@@ -72,13 +72,11 @@ class HostLink:
             raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         self.bytes_per_s = bytes_per_s
         self.free_at = 0.0
-        self.bytes_moved = 0
 
     def transfer(self, now: float, num_bytes: int) -> float:
         """Queue a copy of ``num_bytes`` at ``now``; returns when it ends."""
         start = max(now, self.free_at)
         self.free_at = start + num_bytes / self.bytes_per_s
-        self.bytes_moved += num_bytes
         return self.free_at
 
 

@@ -1,6 +1,6 @@
 """What a simulated program will do: its calls, their sizes and the gaps between them.
 
-Workload generators (``sim/workloads.py``) and trace loaders (``sim/traces.py``) both
+Workload generators (``sim/workloads.py``) and trace loaders (``sim/traces/``) both
 produce :class:`ProgramSpec` objects; the simulation (``sim/simulation.py``) plays them.
 
 Block hashes: a call either names its prompt's full-block hashes explicitly (traces carry

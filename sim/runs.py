@@ -13,10 +13,11 @@ from typing import Any
 
 from scheduler.config import PolicyConfig, ProgramAwareConfig
 from scheduler.policies import make_policy
+from sim.engine import SCHEDULING_POLICIES
+from sim.feeds import Batches, ClosedLoop, ProgramFeed
 from sim.programs import ProgramSpec
 from sim.report import Progress
-from sim.engine import SCHEDULING_POLICIES
-from sim.simulation import Batches, ClosedLoop, ProgramFeed, SimResult, Simulation
+from sim.simulation import SimResult, Simulation
 from sim.step_time import preset as load_preset
 
 # The simulator's default block size. vLLM's GPU default is 16; 64 gives the same hit and

@@ -5,8 +5,9 @@ reads the fields every API shares (stream, output limit, sampling, priority, ses
 vLLM's extra args) from a body simworker/validation.py has checked, and refuses what vLLM's
 handlers refuse; :class:`CallShape` is what an API provides: how a request body becomes a
 prompt (a :class:`PromptPlan`), and how the call's progress becomes that API's body, stream
-events and errors. The shapes are ``OpenAICompletions`` (simworker/worker.py) and those of
-simworker/apis.py.
+events and errors. The shapes are ``OpenAICompletions`` (simworker/openai_completions.py),
+``AnthropicMessages`` (simworker/anthropic_messages.py) and ``OpenAIResponses``
+(simworker/openai_responses.py).
 
 Errors come in vLLM 0.32's two envelopes (``vllm/entrypoints/serve/exception_handling``,
 ``vllm/entrypoints/anthropic/api_router.py``): OpenAI's ``{"error": {"message", "type",
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 import anyio
 from starlette.responses import JSONResponse, Response
 
-from sim.engine import EngineRequest
+from sim.engine_request import EngineRequest
 from sim.tokens import PseudoTokenizer
 from simworker.tool_calls import NO_TOOL_CHOICE, ToolCallReply, ToolChoice, ToolSpec
 from simworker.validation import InvalidRequest

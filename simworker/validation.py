@@ -20,8 +20,9 @@ too, so a wrong type is refused as vLLM refuses it. Unknown fields are allowed o
 routes (vLLM's ``OpenAIBaseModel``: ``extra="allow"``) and ignored on the Anthropic ones
 (plain pydantic models). What the models leave out, compared with vLLM's: the exact shapes of
 chat content parts and of Responses items other than messages and function calls (checked
-by the renderers in simworker/apis.py and simworker/worker.py, or not at all), so a
-malformed one may be refused with another message or param than vLLM's, or accepted.
+by the API modules' renderers, simworker/openai_completions.py, anthropic_messages.py and
+openai_responses.py, or not at all), so a malformed one may be refused with another message or
+param than vLLM's, or accepted.
 
 Checks vLLM makes in its handlers (sampling parameters, tools against ``tool_choice``, an
 unknown model, the context length) come as ``BadRequestError`` in the route's own envelope:

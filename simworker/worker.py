@@ -4,17 +4,14 @@
 and the integration tests use it as a stand-in for a vLLM worker: token counts, timing and
 prefix-cache behaviour are the model's, the text is filler (sim/tokens.py says what hits).
 
-Time: virtual (model) time is ``(wall − start) / time_scale``; ``time_scale`` 0.1 runs ten
-times faster than the modelled hardware. One engine task loops: start the next iteration
-(or decode run), sleep until it ends on the wall clock, complete it, deliver the tokens.
-Arrivals queue the call in the engine (cutting a decode run at its next step) and wake the
-loop. Decode runs are capped (``max_run_steps``, ``max_run_wall_s``) so streamed tokens flow
-in small chunks. When the loop falls behind the wall clock (a busy event loop) it starts the
-next iteration where the last one ended, so throughput stays the model's (a call that
-arrived meanwhile may join it that little early); a lag beyond ``max_lag_wall_s`` is
-skipped instead of caught up, logged and counted in ``sluice_simworker:skipped_lag_seconds``.
+This module is the HTTP side (the app, the checks, preparing a call, waiting and streaming);
+the engine runs in scaled real time in simworker/engine_driver.py (``time_scale`` 0.1 runs ten
+times faster than the modelled hardware), its settings are simworker/config.py's and its
+``/metrics`` simworker/metrics.py's (a lag the loop skips is counted in
+``sluice_simworker:skipped_lag_seconds``).
 
-Endpoints (vLLM 0.32 shapes; the API shapes are simworker/calls.py's ``CallShape``). Every
+Endpoints (vLLM 0.32 shapes; the API shapes are simworker/calls.py's ``CallShape``, chat
+completions and completions simworker/openai_completions.py's). Every
 body is checked as vLLM 0.32 checks it, before anything runs (simworker/validation.py: the
 same fields and types, lax coercions included; a body that does not fit is a 400 in OpenAI's
 envelope, type "Bad Request", on every route), then as vLLM's handlers check it
@@ -38,7 +35,8 @@ words it. Unknown fields are accepted. The worker stands for vLLM started with
 - ``POST /v1/messages`` (Anthropic Messages, stream or not: ``message_start`` …
   ``message_stop``), ``POST /v1/messages/count_tokens``, ``POST /v1/responses`` (OpenAI
   Responses, stream or not, ``previous_response_id`` continuing a stored answer's tokens):
-  simworker/apis.py says how their requests become prompts and their output lengths.
+  simworker/anthropic_messages.py and simworker/openai_responses.py say how their requests
+  become prompts, simworker/apis.py their output lengths.
   Every API drives the same engine, KV events and session labels.
 - Sampling: with ``temperature`` > 0 (vLLM's default for these requests) and no ``seed`` the
   reply is drawn from the worker's random source (``sampling_seed``, fresh entropy when
@@ -85,40 +83,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import time
 from array import array
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from random import Random
 from typing import Any, NamedTuple
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
-import msgspec
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from scheduler.kv_events import BlockStored
-from sim.engine import SCHEDULING_POLICIES, Engine, EngineRequest
-from sim.step_time import DEFAULT_PRESET
+from sim.engine import Engine
+from sim.engine_request import EngineRequest
 from sim.step_time import preset as load_preset
-from sim.tokens import FILLER_WORDS, PromptError, PseudoTokenizer, block_hashes, prompt_seed, tool_calls_text
-from simworker.apis import (
-    EMPTY_CONVERSATION,
-    MEDIA_PART_TYPES,
-    AnthropicMessages,
-    OpenAIResponses,
-    count_tool_results,
+from sim.tokens import (
+    FILLER_WORDS,
+    PromptError,
+    PseudoTokenizer,
+    block_hashes,
+    prompt_seed,
+    tool_calls_text,
 )
+from simworker.anthropic_messages import AnthropicMessages
 from simworker.calls import (
     BadRequest,
     Call,
@@ -133,10 +126,25 @@ from simworker.calls import (
     parse_params,
     refused,
 )
+from simworker.config import DEFAULT_MAX_MODEL_LEN, SimWorkerConfig
 from simworker.directive_socket import DirectiveSocket
+from simworker.engine_driver import EngineDriver
 from simworker.kv_publisher import KvEventPublisher
-from simworker.tool_calls import AUTO, NO_TOOL_CHOICE, ToolCallReply, ToolChoice, ToolSpec, plan_tool_call, random_hex
-from simworker.validation import InvalidRequest, check_media_type, parse_json, validate_body
+from simworker.metrics import EngineCollector
+from simworker.openai_completions import OpenAICompletions
+from simworker.openai_responses import OpenAIResponses
+from simworker.tool_calls import ToolCallReply, plan_tool_call
+from simworker.validation import (
+    InvalidRequest,
+    check_media_type,
+    parse_json,
+    validate_body,
+)
+
+# SimWorkerConfig and DEFAULT_MAX_MODEL_LEN live in simworker/config.py; callers import them from
+# here with create_app.
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "SimWorker", "SimWorkerConfig", "create_app"]
+
 
 class Prepared(NamedTuple):
     """A call ready for the engine: its prompt's length, the whole sequence (prompt then
@@ -151,143 +159,10 @@ class Prepared(NamedTuple):
     tool_call: ToolCallReply | None
 
 
-# The model length a worker serves when none is set (or its pool, if larger): Llama 3.1's
-# and Qwen3's (with YaRN) context, the models of sim/step_time.py's presets.
-DEFAULT_MAX_MODEL_LEN = 131_072
-
-
-@dataclass(frozen=True, slots=True)
-class SimWorkerConfig:
-    name: str = "w0"
-    model: str = "sluice-sim"
-    preset: str = DEFAULT_PRESET
-    num_blocks: int | None = None          # None: the preset's KV pool
-    block_size: int = 16
-    kv_events: str | None = "tcp://*:5557"  # None: no KV events
-    replay: str | None = None
-    directives: str | None = None          # ZMQ PULL for retention directives; None: none
-    topic: str | None = None               # None: "kv@<name>"
-    time_scale: float = 1.0
-    # Multiplies the preset's per-token prompt cost. A small demo pool holds contexts ~18×
-    # shorter than a real agent's; scaling prefill keeps a re-prefill as costly, relative to
-    # a turn, as it is for those on a GPU.
-    prefill_scale: float = 1.0
-    default_max_tokens: int = 256
-    max_run_steps: int = 16
-    max_run_wall_s: float = 0.05
-    max_lag_wall_s: float = 0.25
-    replay_buffer: int = 10_000
-    # Responses API answers whose token sequences are kept for ``previous_response_id``
-    # (oldest forgotten first).
-    responses_kept: int = 1024
-    # vLLM's --max-model-len; None: DEFAULT_MAX_MODEL_LEN or the pool, whichever is larger
-    max_model_len: int | None = None
-    # vLLM's --max-num-seqs; None: the preset's
-    max_num_seqs: int | None = None
-    # vLLM's --scheduling-policy ("fcfs", vLLM's default, or "priority")
-    scheduling_policy: str = "fcfs"
-    # Reply with a tool call while the conversation holds fewer tool results than this
-    # (simworker/tool_calls.py); 0: every reply is text.
-    tool_call_turns: int = 0
-    # Seed of the worker's random source (replies sampled without a request seed); None:
-    # fresh entropy, so two workers (or two runs) sample differently, as vLLM does.
-    sampling_seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
-        if not self.prefill_scale > 0:
-            raise ValueError(f"prefill_scale must be > 0, got {self.prefill_scale}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be ≥ 2 (block 0 is the null block), got {self.num_blocks}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
-        if self.default_max_tokens < 1 or self.max_run_steps < 1:
-            raise ValueError("default_max_tokens and max_run_steps must be ≥ 1")
-        if self.responses_kept < 0:
-            raise ValueError(f"responses_kept must be ≥ 0, got {self.responses_kept}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be ≥ 1, got {self.max_model_len}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be ≥ 1, got {self.max_num_seqs}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.tool_call_turns < 0:
-            raise ValueError(f"tool_call_turns must be ≥ 0, got {self.tool_call_turns}")
-
-    @property
-    def kv_topic(self) -> str:
-        return f"kv@{self.name}" if self.topic is None else self.topic
-
-
-class _EngineCollector:
-    """Metrics read from the engine at scrape time, under vLLM's names and labels."""
-
-    def __init__(self, worker: SimWorker) -> None:
-        self._worker = worker
-
-    def collect(self):
-        worker = self._worker
-        engine = worker.engine
-        config = worker.config
-        labels = ["model_name", "engine"]
-        values = [config.model, "0"]
-        cache = {
-            "block_size": str(engine.block_size),
-            "cache_dtype": "auto",
-            "enable_prefix_caching": "True",
-            "gpu_memory_utilization": "0.9",
-            "num_cpu_blocks": "None",
-            "num_gpu_blocks": str(engine.pool.num_blocks),
-            "kv_cache_size_tokens": str(engine.capacity_tokens),
-            "engine": "0",
-        }
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=list(cache))
-        info.add_metric(list(cache.values()), 1.0)
-        yield info
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        stats = engine.stats
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    engine.pool.usage)
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    len(engine.running))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    len(engine.waiting))
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      stats.output_tokens)
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.", stats.prompt_tokens)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.", stats.cached_tokens)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                      stats.preemptions)
-        yield counter("sluice_simworker:skipped_lag_seconds",
-                      "Model seconds skipped because the engine loop fell behind the wall clock.",
-                      worker.lag_dropped_s)
-        yield counter("sluice_simworker:aborted_requests",
-                      "Calls aborted because their client went away.", worker.aborted)
-        if worker.directives is not None:
-            yield counter("sluice_simworker:directives_applied",
-                          "Retention directives applied to the block pool.", worker.directives.applied)
-            yield counter("sluice_simworker:directives_dropped",
-                          "Directive envelopes dropped as malformed.", worker.directives.dropped)
-
-
 class SimWorker:
-    """The engine, its clock, the calls in flight and the KV-event publisher."""
+    """The HTTP side of a simworker: its requests checked and prepared as vLLM's handlers do, the
+    engine's replies as each API's bodies and streams, the sockets' lifecycle; the engine itself
+    runs in its :class:`EngineDriver`."""
 
     def __init__(self, config: SimWorkerConfig) -> None:
         self.config = config
@@ -309,28 +184,13 @@ class SimWorker:
                              buffer_steps=config.replay_buffer)
             if config.kv_events else None
         )
+        self._log = structlog.get_logger("sluice.simworker").bind(worker=config.name)
+        self.driver = EngineDriver(self.engine, config, self.publisher, self._log)
         self.directives = (
-            DirectiveSocket(config.directives, self.engine, self.vnow) if config.directives else None
+            DirectiveSocket(config.directives, self.engine, self.driver.vnow) if config.directives else None
         )
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(self))
-        self.aborted = 0
-        self.lag_dropped_s = 0.0
-        self._lag_logged_at = float("-inf")
-        self.failed: str | None = None
-        self._calls: dict[str, Call] = {}
-        self._wake: anyio.Event | None = None
-        self._t0 = time.monotonic()
-        self._last_end: float | None = None
-        self._log = structlog.get_logger("sluice.simworker").bind(worker=config.name)
-
-    # -- clock -----------------------------------------------------------------------
-
-    def vnow(self) -> float:
-        return (time.monotonic() - self._t0) / self.config.time_scale
-
-    def _wall(self, virtual: float) -> float:
-        return self._t0 + virtual * self.config.time_scale
+        self.registry.register(EngineCollector(self.driver, self.directives))
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -351,7 +211,7 @@ class SimWorker:
             except Exception:
                 self.close()
                 raise
-        self._t0 = time.monotonic()
+        self.driver.start_clock()
         engine = self.engine
         self._log.info("simworker ready", model=self.config.model, preset=self.config.preset,
                        num_gpu_blocks=engine.pool.num_blocks, block_size=engine.block_size,
@@ -385,115 +245,6 @@ class SimWorker:
             # the engine keeps serving, without the bias: directives are hints
             self._log.exception("directive socket failed; directives are no longer applied",
                                 directives=self.directives.bound_endpoint)
-
-    # -- engine loop -----------------------------------------------------------------
-
-    async def run_engine(self) -> None:
-        try:
-            await self._engine_loop()
-        except Exception as err:
-            self.failed = f"engine loop failed: {type(err).__name__}: {err}"
-            self._log.exception("engine loop failed; failing the calls in flight",
-                                calls=len(self._calls), running=len(self.engine.running),
-                                waiting=len(self.engine.waiting))
-            for call in self._calls.values():
-                call.error = self.failed
-                call.changed.set()
-            self._calls.clear()
-
-    async def _engine_loop(self) -> None:
-        engine = self.engine
-        config = self.config
-        max_run_s = config.max_run_wall_s / config.time_scale
-        max_lag = config.max_lag_wall_s / config.time_scale
-        while True:
-            if engine.busy_until is None:
-                now = self.vnow()
-                last = self._last_end
-                start_at = now
-                if last is not None:
-                    if now - last < max_lag:
-                        start_at = last
-                    else:
-                        self._dropped_lag(now - last)
-                until = engine.start(start_at, max_run_steps=config.max_run_steps, max_run_s=max_run_s)
-                self._publish()
-                if until is None:
-                    self._last_end = None
-                    await self._sleep(None)
-                    continue
-            delay = self._wall(engine.busy_until) - time.monotonic()
-            if delay > 0:
-                await self._sleep(delay)
-                continue
-            end = engine.busy_until
-            done = engine.complete()
-            engine.finished.clear()  # the offline simulator's record; a server must not keep it
-            self._last_end = end
-            self._publish()
-            self._deliver(done)
-            await anyio.lowlevel.checkpoint()
-
-    def _dropped_lag(self, lag: float) -> None:
-        """The loop fell behind the wall clock by more than ``max_lag_wall_s``: that much
-        model time is skipped rather than caught up (the host is too slow for the scale)."""
-        self.lag_dropped_s += lag
-        wall = time.monotonic()
-        if wall - self._lag_logged_at >= 10.0:
-            self._lag_logged_at = wall
-            self._log.warning("engine loop behind the wall clock; skipping the lag",
-                              lag_model_s=round(lag, 4), time_scale=self.config.time_scale,
-                              skipped_total_model_s=round(self.lag_dropped_s, 3))
-
-    async def _sleep(self, delay: float | None) -> None:
-        self._wake = wake = anyio.Event()
-        with anyio.move_on_after(delay):
-            await wake.wait()
-        self._wake = None
-
-    def _wake_loop(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    def _publish(self) -> None:
-        events = self.engine.pool.take_events()
-        if events and self.publisher is not None:
-            for event in events:
-                # vLLM's KVCacheManager.take_events annotates stores with the group's spec
-                if isinstance(event, BlockStored) and event.group_idx is not None:
-                    event.kv_cache_spec_kind = "full_attention"
-            self.publisher.publish(events)
-
-    def _deliver(self, done: list[EngineRequest]) -> None:
-        calls = self._calls
-        for request in itertools.chain(self.engine.running, done):
-            call = calls.get(request.request_id)
-            if call is None:
-                continue
-            if request.num_output != call.seen or request.finished:
-                call.seen = request.num_output
-                call.changed.set()
-            if request.finished:
-                del calls[request.request_id]
-
-    def submit(self, call: Call) -> None:
-        if self.failed:
-            raise BadRequest(self.failed, status=503)
-        self.engine.add_request(call.request, self.vnow())
-        self._calls[call.request.request_id] = call
-        self._wake_loop()
-
-    def abort(self, call: Call) -> None:
-        if call.over:
-            return
-        self._calls.pop(call.request.request_id, None)
-        removed = self.engine.abort(call.request.request_id)
-        call.error = "aborted"
-        if removed is not None:
-            self.aborted += 1
-            self._log.info("call aborted: client went away", request_id=call.request.request_id,
-                           session_id=call.request.session_id, output_tokens=call.request.num_output)
-        self._wake_loop()
 
     # -- requests --------------------------------------------------------------------
 
@@ -576,8 +327,8 @@ class SimWorker:
         body = await self._read_body(request, shape)
         params = parse_params(shape.kind, body, request.headers)
         self._check_model(params.model)
-        if self.failed:
-            raise BadRequest(self.failed, status=503)
+        if self.driver.failed:
+            raise BadRequest(self.driver.failed, status=503)
         return body, params, shape.plan(body)
 
     async def handle(self, request: Request, shape: CallShape) -> Response:
@@ -597,14 +348,14 @@ class SimWorker:
         engine_request = EngineRequest(
             request_id=response_id, session_id=params.session_id, hashes=prepared.hashes,
             prompt_tokens=prepared.prompt_tokens, output_tokens=len(prepared.pieces), priority=params.priority,
-            arrival=self.vnow(), continuation_id=params.continuation_id, token_ids=prepared.tokens,
+            arrival=self.driver.vnow(), continuation_id=params.continuation_id, token_ids=prepared.tokens,
             report_reuse=params.report_full,
         )
         call = Call(shape.kind, response_id, params.model or self.config.model, int(time.time()),
                     params, engine_request, prepared.pieces, prepared.finish, echo, tool_call=prepared.tool_call,
                     tool_results=plan.tool_results)
         try:
-            self.submit(call)
+            self.driver.submit(call)
         except BadRequest as err:
             return shape.error(err)
         except ValueError as err:  # the engine refuses what cannot fit the pool
@@ -659,7 +410,7 @@ class SimWorker:
                 tg.cancel_scope.cancel()
         finally:
             if not call.over:  # client gone, or the server is shutting down
-                self.abort(call)
+                self.driver.abort(call)
         return not disconnected
 
     @staticmethod
@@ -686,7 +437,7 @@ class SimWorker:
                 yield chunk
         finally:
             if not call.over:  # the client went away (Starlette cancelled the stream)
-                self.abort(call)
+                self.driver.abort(call)
 
     # -- other endpoints -------------------------------------------------------------
 
@@ -698,180 +449,12 @@ class SimWorker:
         }]})
 
     async def health(self, request: Request) -> Response:
-        if self.failed:
-            return error_response(503, self.failed)
+        if self.driver.failed:
+            return error_response(503, self.driver.failed)
         return Response(status_code=200)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def _chat_tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
-    """A checked chat request's function tools and its ``tool_choice`` (vLLM's default:
-    "auto" with tools, "none" without)."""
-    tools = body.get("tools") or []
-    specs = tuple(ToolSpec(tool["function"]["name"], tool["function"].get("parameters")) for tool in tools)
-    choice = body.get("tool_choice", "auto" if tools else "none")
-    if not tools or choice in (None, "none"):
-        return specs, NO_TOOL_CHOICE
-    if choice == "required":
-        return specs, ToolChoice("required")
-    if isinstance(choice, dict):
-        return specs, ToolChoice("named", choice["function"]["name"])
-    return specs, AUTO
-
-
-def _check_chat_parts(messages: list[dict[str, Any]], model: str) -> None:
-    """What vLLM's chat parser refuses of content parts: media on a text-only model, and a
-    part that is no content part (its message: "N validation errors for
-    ValidatorIterator", pydantic's own)."""
-    for index, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for number, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise BadRequest(f"1 validation error for ValidatorIterator\n{number}\n  Input should be a valid "
-                                 f"dictionary (messages[{index}].content[{number}])")
-            kind = part.get("type")
-            if kind in MEDIA_PART_TYPES:
-                raise BadRequest(f"{model} is not a multimodal model")
-            if kind in ("text", "input_text", "output_text", "refusal", "thinking") or kind is None:
-                if not isinstance(part.get("text", part.get("refusal", part.get("thinking"))), str):
-                    raise BadRequest(f"1 validation error for ValidatorIterator\n{number}.text\n  Field required "
-                                     f"(messages[{index}].content[{number}])")
-            else:
-                raise BadRequest(f"1 validation error for ValidatorIterator\n{number}.type\n  Input should be a "
-                                 f"content part type, got {kind!r} (messages[{index}].content[{number}])")
-
-
-class OpenAICompletions:
-    """``/v1/chat/completions`` (``kind`` "chat") and ``/v1/completions`` ("completion"),
-    in vLLM's shapes."""
-
-    def __init__(self, kind: str, model: str) -> None:
-        self.kind = kind
-        self.validation = kind
-        self.model = model
-        self.id_prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-
-    def response_id(self) -> str:
-        return f"{self.id_prefix}{random_hex()}"
-
-    def error(self, err: BadRequest) -> Response:
-        return error_response(err.status, str(err), err.param, err.error_type)
-
-    def plan(self, body: Mapping[str, Any]) -> PromptPlan:
-        if self.kind == "completion":
-            prompt = body.get("prompt")
-            if prompt in (None, "", []):
-                raise refused("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-            token_ids = isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
-            return PromptPlan(render=lambda tokenizer: tokenizer.render_completion(prompt), token_ids=token_ids)
-        messages = body["messages"]
-        if not messages:
-            raise BadRequest(EMPTY_CONVERSATION)
-        _check_chat_parts(messages, self.model)
-        continue_final = body.get("continue_final_message") is True
-        add_prompt = body.get("add_generation_prompt", True) is not False
-        if continue_final and add_prompt:
-            raise BadRequest("continue_final_message and add_generation_prompt are not compatible. Use "
-                             "continue_final_message when you want the model to continue the final message, "
-                             "and add_generation_prompt when you want to add a header that will prompt it to "
-                             "start a new assistant message instead.")
-        specs, choice = _chat_tools(body)
-        tools = body.get("tools")
-        return PromptPlan(
-            render=lambda tokenizer: tokenizer.render_chat(messages, tools, add_generation_prompt=add_prompt,
-                                                           continue_final_message=continue_final),
-            tools=specs, tool_choice=choice, tool_results=count_tool_results(messages))
-
-    def echo(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
-        return {}
-
-    @staticmethod
-    def usage(call: Call) -> dict[str, Any]:
-        prompt, cached, output = call.usage_counts()
-        return {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + output,
-            "completion_tokens": output,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def body(self, call: Call) -> dict[str, Any]:
-        if call.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": call.text, "reasoning": None}
-            if call.tool_call is not None:
-                # vLLM: no text before the call is content null ("" for a forced call)
-                message["content"] = "" if call.tool_call.named else None
-                message["tool_calls"] = [call.tool_call.as_chat_tool_call()]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": call.finish_reason,
-                      "stop_reason": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": call.text, "logprobs": None, "finish_reason": call.finish_reason,
-                      "stop_reason": None}
-            obj = "text_completion"
-        return {"id": call.response_id, "object": obj, "created": call.created, "model": call.model,
-                "choices": [choice], "usage": self.usage(call)}
-
-    def _chunk(self, call: Call, choices: list[dict[str, Any]], usage: bool) -> bytes:
-        body: dict[str, Any] = {
-            "id": call.response_id,
-            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
-            "created": call.created, "model": call.model, "choices": choices,
-        }
-        if usage:
-            body["usage"] = self.usage(call)
-        return b"data: " + msgspec.json.encode(body) + b"\n\n"
-
-    def _choice(self, call: Call, delta_or_text: Any, finish: str | None) -> dict[str, Any]:
-        if call.kind == "chat":
-            return {"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": finish}
-
-    def _chat_deltas(self, call: Call, step: Progress, sent_arguments: int) -> tuple[list[dict[str, Any]], int]:
-        """A step's chat deltas: the text, or the tool call's next arguments (its id, type
-        and name go in the first delta, as vLLM's tool parsers stream them)."""
-        tool = call.tool_call
-        if tool is None:
-            return [{"content": step.text}], sent_arguments
-        deltas = []
-        if sent_arguments < 0:
-            deltas.append({"tool_calls": [{"index": 0, "id": tool.call_id, "type": "function",
-                                           "function": {"name": tool.name}}]})
-            sent_arguments = 0
-        arguments = call.arguments_through(step.produced)
-        if len(arguments) > sent_arguments:
-            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": arguments[sent_arguments:]}}]})
-            sent_arguments = len(arguments)
-        return deltas, sent_arguments
-
-    async def events(self, call: Call, progress: AsyncIterator[Progress]) -> AsyncIterator[bytes]:
-        continuous = call.params.continuous_usage
-        try:
-            if call.kind == "chat":
-                # vLLM opens every chat stream with the role, before the first token
-                yield self._chunk(call, [self._choice(call, {"role": "assistant", "content": ""}, None)], continuous)
-            sent_arguments = -1  # the tool call's arguments streamed so far; -1: not opened
-            async for step in progress:
-                finish = call.finish_reason if step.finished else None
-                if call.kind != "chat":
-                    yield self._chunk(call, [self._choice(call, step.text, finish)], continuous)
-                    continue
-                deltas, sent_arguments = self._chat_deltas(call, step, sent_arguments)
-                if not deltas:
-                    deltas = [{"content": ""}]
-                for number, delta in enumerate(deltas):
-                    last = number == len(deltas) - 1
-                    yield self._chunk(call, [self._choice(call, delta, finish if last else None)], continuous)
-            if call.params.include_usage:
-                yield self._chunk(call, [], True)
-        except CallFailed as err:
-            error = {"error": {"message": str(err), "type": "InternalServerError", "code": 500}}
-            yield b"data: " + msgspec.json.encode(error) + b"\n\n"
-        yield b"data: [DONE]\n\n"
 
 
 def create_app(config: SimWorkerConfig) -> Starlette:
@@ -883,7 +466,7 @@ def create_app(config: SimWorkerConfig) -> Starlette:
         worker.open()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(worker.run_engine)
+                tg.start_soon(worker.driver.run)
                 tg.start_soon(worker.serve_replay)
                 tg.start_soon(worker.serve_directives)
                 yield

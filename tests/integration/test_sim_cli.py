@@ -313,7 +313,7 @@ def write_conversations(directory: Path, docs: list[dict]) -> Path:
 
 def test_replay_concurrency_keeps_n_conversations_in_flight_and_starts_the_next_when_one_ends(
         runner, tmp_path, monkeypatch):
-    from sim.simulation import ConversationLoop
+    from sim.feeds import ConversationLoop
 
     starts: list[tuple[float, int]] = []  # (time, conversation) as each one starts
     ends: dict[str, float] = {}

@@ -18,7 +18,7 @@ the policy sees virtual seconds in both shells and takes the very same config; t
 converted is ``tick_interval_s``, which the gateway's tick loop sleeps on the wall clock
 (:func:`live_policy_section`). Both runs last ``duration_s`` virtual seconds from the first
 program's start, in closed loop at ``concurrency`` (a program ends, the next starts), the first
-programs spread over ``ramp_s`` as :class:`sim.simulation.ClosedLoop` spreads them; the live
+programs spread over ``ramp_s`` as :class:`sim.feeds.ClosedLoop` spreads them; the live
 counters are read at that moment from the simworkers' and the gateway's ``/metrics``.
 
 The engines' queue order is one parameter of both shells (``scheduling_policy``): the
@@ -54,8 +54,9 @@ from scheduler.config import parse_policy_config
 from scheduler.kv_events import EventBatchDecoder
 from scheduler.policies import make_policy
 from sim.engine import SCHEDULING_POLICIES
+from sim.feeds import ClosedLoop
 from sim.scripted import ScriptedProgram, ScriptedWorkload
-from sim.simulation import ClosedLoop, Simulation
+from sim.simulation import Simulation
 from sim.step_time import DEFAULT_PRESET, StepTimeModel
 from sim.step_time import preset as load_preset
 from simworker.worker import SimWorkerConfig

@@ -226,8 +226,8 @@ def test_engine_offload_parks_and_demotes_and_prefetch_undoes_the_demotion(deadl
 
 def test_a_simulated_fleet_with_a_tier_tells_program_aware_and_reports_the_tier(monkeypatch) -> None:
     from sim import runs
+    from sim.feeds import ClosedLoop
     from sim.workloads import SwebenchWorkload
-    from sim.simulation import ClosedLoop
 
     built = []
     real_make_policy = runs.make_policy

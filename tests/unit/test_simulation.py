@@ -17,8 +17,9 @@ from scheduler.config import ProgramAwareConfig, RouterConfig
 from scheduler.kv_events import BlockRemoved
 from scheduler.policies import make_policy
 from scheduler.policies.routing import RoundRobinPolicy
+from sim.feeds import Batches, ClosedLoop, ConversationLoop, OpenLoop
 from sim.programs import CallSpec, ProgramSpec
-from sim.simulation import Batches, ClosedLoop, ConversationLoop, OpenLoop, Simulation
+from sim.simulation import Simulation
 from sim.step_time import StepTimeModel
 
 BS = 4

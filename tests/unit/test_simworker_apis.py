@@ -9,15 +9,14 @@ from array import array
 import pytest
 
 from sim.tokens import PseudoTokenizer
-from simworker.apis import (
-    AnthropicMessages,
+from simworker.anthropic_messages import AnthropicMessages, anthropic_chat_messages
+from simworker.calls import BadRequest
+from simworker.openai_responses import (
     OpenAIResponses,
     ResponseStore,
     StoredResponse,
-    anthropic_chat_messages,
     response_chat_messages,
 )
-from simworker.calls import BadRequest
 from simworker.tool_calls import ToolChoice
 from simworker.validation import validate_body
 from simworker.worker import SimWorkerConfig
