@@ -168,7 +168,7 @@ def replay(
     """Replay a recorded trace (each session keeps its own timing) under each policy."""
     import math
 
-    from sim.simulation import ConversationLoop, OpenLoop, ProgramFeed
+    from sim.feeds import ConversationLoop, OpenLoop, ProgramFeed
 
     names = _policies(policy)
     policy_config = _policy_config(config_path)

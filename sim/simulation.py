@@ -47,20 +47,9 @@ from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy
 from sim.engine import Engine
 from sim.engine_request import EngineRequest
-from sim.feeds import (
-    ConversationLoop,
-    OpenLoop,
-    ProgramFeed,
-    group_conversations,
-    shifted_program,
-)
+from sim.feeds import ProgramFeed
 from sim.programs import ProgramSpec
 from sim.step_time import StepTimeModel
-
-# The feeds moved to sim/feeds.py; sim/tuning.py and entry/sim_commands.py still import them
-# from here.
-__all__ = ["ConversationLoop", "OpenLoop", "ProgramFeed", "SimResult", "Simulation", "group_conversations",
-           "shifted_program"]
 
 _ENGINE, _CALL, _TICK, _START = 0, 1, 2, 3
 
@@ -320,7 +309,6 @@ class Simulation:
             request_id=request_id,
             session_id=SessionId(spec.session_id),
             prompt_tokens=call_spec.prompt_tokens,
-            max_output_tokens=call_spec.output_tokens,
             parent_session_id=SessionId(spec.parent_session_id) if spec.parent_session_id else None,
             chain=chain,
             chain_tokens=chain_tokens,

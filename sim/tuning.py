@@ -62,8 +62,8 @@ from scheduler.config import PolicyConfig, make_policy_config
 from sim.programs import ProgramSpec
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, run_policies, trace_span_s,
                       workload_feed)
-from sim.simulation import (ConversationLoop, OpenLoop, ProgramFeed, SimResult, group_conversations,
-                            shifted_program)
+from sim.feeds import ConversationLoop, OpenLoop, ProgramFeed, group_conversations, shifted_program
+from sim.simulation import SimResult
 
 
 # -- the search space ----------------------------------------------------------------------
