@@ -155,7 +155,6 @@ class Endpoints:
                 request_id=f"{self._id_prefix}{next(self._ids)}",
                 session_id=identity.session_id,
                 prompt_tokens=identity.prompt_tokens,
-                max_output_tokens=_max_output(forward),
                 parent_session_id=identity.parent_session_id,
                 chain=identity.chain,
                 chain_tokens=identity.chain_tokens,
@@ -314,13 +313,3 @@ def _header_map(raw: list[tuple[bytes, bytes]]) -> _HeaderMap:
         if key not in headers:
             headers[key] = value.decode("latin-1")
     return headers
-
-
-def _max_output(body: dict) -> int | None:
-    """The client's output limit, under whichever of the APIs' names it sent."""
-    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
-

@@ -61,7 +61,6 @@ class CallRequest:
     request_id: str
     session_id: SessionId
     prompt_tokens: int
-    max_output_tokens: int | None = None
     parent_session_id: SessionId | None = None
     chain: ContinuationChain | None = None
     chain_tokens: tuple[int, ...] | None = None
