@@ -53,3 +53,34 @@ def test_the_package_hands_on_the_policy() -> None:
     from scheduler.policies import POLICIES
 
     assert POLICIES["program_aware"] is package.ProgramAwarePolicy
+
+
+# Each step of the documented tick, and what marks it in the tick's source.
+TICK_STEPS = {
+    "release idle programs": "self._resume.idle_sessions(",
+    "dormancy": "self._mark_dormant(",
+    "predicted prefetches": "self._dormancy.predicted_ends(",
+    "overdue calls": "self._overdue(",
+    "resume (forced, reserved, in order)": "self._resume_pass(",
+    "pause": "self._pause(",
+    "soft band": "self._pausing.update_soft_band(",
+    "retention": "self._keep.retain(",
+}
+TICK_ORDER = " → ".join(TICK_STEPS)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_tick_runs_its_steps_in_the_documented_order() -> None:
+    import inspect
+
+    from scheduler.policies.program_aware.policy import ProgramAwarePolicy
+
+    source = inspect.getsource(ProgramAwarePolicy.tick)
+    where = [source.find(call) for call in TICK_STEPS.values()]
+    assert -1 not in where and where == sorted(where), dict(zip(TICK_STEPS, where))
+    architecture = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for text in (architecture, package.__doc__ or "", ProgramAwarePolicy.tick.__doc__ or ""):
+        assert TICK_ORDER.lower() in _words(text).lower()
