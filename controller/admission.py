@@ -48,8 +48,7 @@ import anyio
 
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
 from controller.serve_config import LimitsConfig, WorkerConfig
-from scheduler.actions import (Action, Admit, Demote, Directive, Hold, Mark, Offload, Pause,
-                               Prefetch, Release, Resume, Retain, engine_priority)
+from scheduler.actions import Action, Admit, Directive, Hold, Mark, Pause, Release, Resume, engine_priority
 from scheduler.calls import CallRequest, Usage
 from scheduler.config import PolicyConfig
 from scheduler.kv_events import EventBatch
@@ -456,8 +455,8 @@ class Admission:
                     self.sink.send(action)
                     self._log.info("program released", session_id=action.session_id,
                                    worker=action.worker, reason=action.reason)
-                case Retain() | Demote() | Offload() | Prefetch():
-                    self.sink.send(action)
+                case _ if isinstance(action, Directive):
+                    self.sink.send(action)  # every other verb goes to its engine as it is
                 case Pause():
                     self._log.info("program paused", session_id=action.session_id,
                                    worker=action.worker)
