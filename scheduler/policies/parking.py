@@ -5,17 +5,16 @@
   moves across its edge, pausing a running program into it and placing or resuming one out
   of it, made alike by both policies.
 - :class:`IdleDeadlines`: when a program with nothing to run may be released as idle.
-- :class:`Parking`: thunderagent's composition of the two on its program table and ledger,
-  handed how it admits held calls. (program_aware composes them itself, in
-  ``scheduler/policies/program_aware/resume.py``.)
 
-Each policy keeps its own rules (when to pause, whom to resume where).
+Each policy composes them itself (thunderagent in its own module, program_aware in
+``scheduler/policies/program_aware/resume.py``), with the functions below for the numbers
+both read. Each policy keeps its own rules (when to pause, whom to resume where).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from scheduler.actions import Action, Resume
 from scheduler.coordinates import SessionId
@@ -33,7 +32,9 @@ class ParkingLot:
     With ``force_after_s``, it also keeps when each parked program is due for a forced resume
     (:meth:`due`). Invariant 1: every parked program has exactly one live deadline
     ``(since + force_after_s, session, since)`` (``force_after_s`` as when it was parked), and
-    the heap's other entries are stale.
+    the heap's other entries are stale. Invariant 2: a parked session names a program of its
+    owner's table that is not ACTIVE (placing or resuming one unparks it here, and the owner
+    unparks a program it releases).
     """
 
     def __init__(self, force_after_s: float | None) -> None:
@@ -162,73 +163,6 @@ class IdleDeadlines:
     def _wanted(self, entry: tuple[float, str]) -> bool:
         program = self._programs.get(entry[1])
         return program is not None and entry[0] >= program.last_activity + self.idle_release_s
-
-
-class Parking:
-    """thunderagent's running ↔ parked moves, on its program table and ledger.
-
-    The owner passes what it counts by (``programs``, ``calls``, ``ledger``, ``stats``) and
-    how it admits held calls (``admit_waiting``); this class keeps the parking lot and the
-    idle deadlines. Invariant 2: a parked session names a program of the table that is not
-    ACTIVE (the owner unparks a program whenever it places or resumes it, and on release).
-    """
-
-    def __init__(self, programs: dict[SessionId, Program], calls: dict[str, Call], ledger: Ledger,
-                 stats: PolicyStats, admit_waiting: Callable[..., list[Action]],
-                 force_after_s: float | None, idle_release_s: float, growth_reserve_tokens: int) -> None:
-        self.lot = ParkingLot(force_after_s)
-        self._calls = calls
-        self._ledger = ledger
-        self._stats = stats
-        self._admit_waiting = admit_waiting
-        self._idle = IdleDeadlines(idle_release_s, programs)
-        self.growth_reserve_tokens = growth_reserve_tokens
-
-    def reconfigure(self, force_after_s: float | None, idle_release_s: float,
-                    growth_reserve_tokens: int) -> None:
-        self.lot.reconfigure(force_after_s)
-        self._idle.idle_release_s = idle_release_s
-        self.growth_reserve_tokens = growth_reserve_tokens
-
-    # -- pause and resume ----------------------------------------------------------------
-
-    def pause(self, program: Program, now: float) -> str:
-        """ACTIVE+ACTING → PAUSED and parked; returns the worker it left."""
-        return self.lot.pause(program, self._ledger, self._stats, now)
-
-    def resume(self, program: Program, worker: str, now: float, forced: bool,
-               boost_s: float) -> list[Action]:
-        """Place a PENDING program or resume a PAUSED one on ``worker`` and admit its held
-        calls (a resumed program's ``boost_s`` earlier in the engine's queue)."""
-        was_paused = program.paused
-        actions = self.lot.resume(program, worker, self._ledger, self._stats, now, forced)
-        actions += self._admit_waiting(program, worker, now, was_paused, boost_s if was_paused else 0.0)
-        if not program.in_flight:
-            self.note_idle(program, now)
-        return actions
-
-    def force_target(self, program: Program) -> str | None:
-        """Where a forced resume of ``program`` goes (:func:`force_target`)."""
-        return force_target(program, self._ledger)
-
-    def demand_when_resumed(self, program: Program) -> int:
-        return demand_when_resumed(program, self._calls, self.growth_reserve_tokens)
-
-    # -- idle release --------------------------------------------------------------------
-
-    def note_idle(self, program: Program, now: float) -> None:
-        self._idle.note(program, now)
-
-    def held_call_gone(self, program: Program) -> None:
-        self._idle.held_call_gone(program)
-
-    def idle_sessions(self, now: float) -> Iterator[str]:
-        return self._idle.due(now)
-
-    def forget(self, session: str) -> None:
-        """The program was released."""
-        self.lot.unpark(session)  # keeps invariant 2
-        self._idle.trim()
 
 
 def demand_when_resumed(program: Program, calls: Mapping[str, Call], growth_reserve_tokens: int) -> int:

@@ -33,9 +33,14 @@ import math
 from scheduler.actions import Action, Decision, Mark, Pause
 from scheduler.config import ThunderAgentConfig
 from scheduler.ledger import FixedTokenWeights, TokenWeights
-from scheduler.programs import Phase, Program
 from scheduler.policies.base import Call, Policy, admit, hold
-from scheduler.policies.parking import Parking
+from scheduler.policies.parking import (
+    IdleDeadlines,
+    ParkingLot,
+    demand_when_resumed,
+    force_target,
+)
+from scheduler.programs import Phase, Program
 
 BUFFER_PER_PROGRAM = 100
 
@@ -50,8 +55,8 @@ class ThunderAgentPolicy(Policy):
         super().__init__(config)
         # Forced resumes are found by scanning the lot each tick, as upstream does: no
         # deadline heap to keep.
-        self._parking = Parking(self.programs, self.calls, self.ledger, self.stats, self._admit_waiting,
-                                None, config.idle_release_s, config.growth_reserve_tokens)
+        self._lot = ParkingLot(force_after_s=None)
+        self._idle = IdleDeadlines(config.idle_release_s, self.programs)
 
     def token_weights(self, config: ThunderAgentConfig) -> TokenWeights:  # type: ignore[override]
         # upstream: acting programs count at acting_token_weight, 100 tokens per program
@@ -60,7 +65,7 @@ class ThunderAgentPolicy(Policy):
 
     def reconfigure(self, config: ThunderAgentConfig) -> None:  # type: ignore[override]
         super().reconfigure(config)
-        self._parking.reconfigure(None, config.idle_release_s, config.growth_reserve_tokens)
+        self._idle.idle_release_s = config.idle_release_s
 
     # -- arrivals and completions ----------------------------------------------------
 
@@ -71,7 +76,7 @@ class ThunderAgentPolicy(Policy):
             self._unhome(program, now)
         if program.paused:
             return hold(call, "program paused")
-        self._parking.lot.park(program.session_id, now)
+        self._lot.park(program.session_id, now)
         if program.waiting or self._anyone_queued(program):
             return hold(call, "queued")
         demand = call.request.prompt_tokens
@@ -85,43 +90,38 @@ class ThunderAgentPolicy(Policy):
                 best, best_tokens = load.name, load.weighted_demand
         if best is None:
             return hold(call, "no backend has room")
-        self._parking.lot.unpark(program.session_id)
+        self._lot.unpark(program.session_id)
         return admit(call, best)
 
     def after_call(self, program: Program, now: float) -> list[Action]:
         if program.in_flight:
             return []
-        self._parking.note_idle(program, now)
+        self._idle.note(program, now)
         if program.marked and program.active:
             return self._pause_program(program, now)
         return []
 
-    def on_abort(self, request_id: str, now: float) -> list[Action]:
-        call = self.calls.get(request_id)
-        actions = super().on_abort(request_id, now)
-        if call is not None and call.worker is None:
-            program = self.programs.get(call.session_id)
-            if program is not None:
-                self._parking.held_call_gone(program)
-        return actions
+    def after_held_call(self, program: Program) -> None:
+        self._idle.held_call_gone(program)
 
     def release(self, session_id, now, reason):  # type: ignore[override]
         actions = super().release(session_id, now, reason)
-        self._parking.forget(session_id)
+        self._lot.unpark(session_id)
+        self._idle.trim()
         return actions
 
     def _unhome(self, program: Program, now: float) -> list[Action]:
         was_active = program.active
         actions = super()._unhome(program, now)
         if was_active:
-            self._parking.lot.park(program.session_id, now)
+            self._lot.park(program.session_id, now)
         return actions
 
     # -- the tick --------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for session in self._parking.idle_sessions(now):
+        for session in self._idle.due(now):
             actions += self.release(session, now, "idle")
         actions += self._resume(now)
         actions += self._pause(now)
@@ -134,7 +134,7 @@ class ThunderAgentPolicy(Policy):
     def _anyone_queued(self, program: Program) -> bool:
         """Upstream's ``global_waiting_queue`` holds every paused program, with or without a
         request waiting, and every held new one; a new program queues if it is not empty."""
-        for session in self._parking.lot.sessions():
+        for session in self._lot.sessions():
             other = self.programs[session]
             if session != program.session_id and (other.paused or other.waiting):
                 return True
@@ -168,13 +168,13 @@ class ThunderAgentPolicy(Policy):
         return actions
 
     def _pause_program(self, program: Program, now: float) -> list[Action]:
-        worker = self._parking.pause(program, now)
+        worker = self._lot.pause(program, self.ledger, self.stats, now)
         return [Pause(program.session_id, worker)]  # no retention directives upstream
 
     # -- resume ----------------------------------------------------------------------
 
     def _resume(self, now: float) -> list[Action]:
-        lot = self._parking.lot
+        lot = self._lot
         if not len(lot):
             return []
         actions: list[Action] = []
@@ -183,14 +183,15 @@ class ThunderAgentPolicy(Policy):
             program = self.programs[session]
             since = lot.since(session)
             if since is not None and now - since >= self.config.force_resume_after_s:
-                worker = self._parking.force_target(program)
+                worker = force_target(program, self.ledger)
                 if worker is not None:
                     actions += self._resume_program(program, worker, now, forced=True)
                 continue
             if program.pending and not program.waiting:
                 continue
             group = 0 if (program.paused and program.waiting) else (1 if program.pending else 2)
-            candidates.append((group, self._parking.demand_when_resumed(program), session))
+            candidates.append((group, demand_when_resumed(program, self.calls, self.config.growth_reserve_tokens),
+                               session))
         remaining = {
             load.name: self._remaining(load.name)
             for load in self.ledger.workers()
@@ -221,4 +222,11 @@ class ThunderAgentPolicy(Policy):
         return actions
 
     def _resume_program(self, program: Program, worker: str, now: float, forced: bool) -> list[Action]:
-        return self._parking.resume(program, worker, now, forced, boost_s=0.0)
+        """Place or resume ``program`` on ``worker`` and admit its held calls, at their place
+        in the engine's queue (upstream gives resumed programs no boost)."""
+        was_paused = program.paused
+        actions = self._lot.resume(program, worker, self.ledger, self.stats, now, forced)
+        actions += self._admit_waiting(program, worker, now, was_paused, 0.0)
+        if not program.in_flight:
+            self._idle.note(program, now)
+        return actions

@@ -70,9 +70,9 @@ BOUNDS: dict[str, str] = {
     "_tool_times._recent": WINDOW,
     "_tool_times._sorted": WINDOW,
     # thunderagent: its parking lot and idle deadlines (scheduler/policies/parking.py)
-    "_parking.lot._since": LIVE,
-    "_parking.lot._deadlines._heap": LIVE,
-    "_parking._idle._heap._heap": LIVE,
+    "_lot._since": LIVE,
+    "_lot._deadlines._heap": LIVE,
+    "_idle._heap._heap": LIVE,
     # program_aware, room by room (scheduler/policies/program_aware/)
     "_capacity._homed_tokens": WORKER,
     "_capacity._paused_tokens": WORKER,
