@@ -184,7 +184,7 @@ class PolicyConfig(_Strict):
 
 class ProgramAwareConfig(PolicyConfig):
     """The ``policy:`` section of Sluice's program-aware policy (``name: program_aware``, the
-    default); scheduler/policies/program_aware.py says what each rule does."""
+    default); scheduler/policies/program_aware/ says what each rule does."""
 
     name: Literal["program_aware"] = "program_aware"
 

@@ -6,7 +6,7 @@ whose first message to arrive is already past that point looks like the old stre
 (with a gap that replay then "repairs" from the wrong engine). The plugin gives each publisher a
 random 16-byte epoch, drawn once when the publisher is built (one per engine start and
 data-parallel rank), and sends it as a fourth frame: ``[topic, seq, payload, epoch]``.
-Sluice's subscriber (``controller/subscriber.py``, ``publisher_epoch``) resets a worker's index
+Sluice's subscriber (``controller/kv_wire.py``, ``publisher_epoch``) resets a worker's index
 when the epoch changes. ZMQ SUB consumers that read the first three frames are unaffected;
 one that insists on exactly three frames can turn the stamp off with ``SLUICE_PUBLISHER_EPOCH=off``.
 

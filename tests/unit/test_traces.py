@@ -1,4 +1,4 @@
-"""Trace loaders (sim/traces.py): valid fixtures, session inference, exact error locations.
+"""Trace loaders (sim/traces/): valid fixtures, session inference, exact error locations.
 
 Every fixture is written by the test into ``tmp_path``; nothing here reads data from outside the repository.
 """
