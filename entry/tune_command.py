@@ -167,8 +167,7 @@ def tune(
     held_limit = p99_limit if p99_limit is not None else held_defaults.p99_call_s * p99_slack
     check = tuning.HeldBackCheck(defaults=held_defaults, best=held_best, p99_limit_s=held_limit)
 
-    rows = _rows(tuning_data.label, held_back.label, defaults, chosen, held_defaults, held_best,
-                 ceilings)
+    rows = _rows(defaults, chosen, held_defaults, held_best, ceilings)
     typer.echo(format_table(rows, extra=("data",)))
     verdict = _verdict(study, chosen, check)
     for line in verdict:
@@ -266,8 +265,7 @@ def _report_trial(record, study, trials: int) -> None:
     sys.stderr.flush()
 
 
-def _rows(tuning_label: str, held_label: str, defaults, chosen, held_defaults, held_best,
-          ceilings) -> list[dict[str, Any]]:
+def _rows(defaults, chosen, held_defaults, held_best, ceilings) -> list[dict[str, Any]]:
     rows = [{**defaults.measurement.summary, "policy": "defaults", "data": "tuning"}]
     if chosen is not defaults:
         rows.append({**chosen.measurement.summary, "policy": f"trial {chosen.number}", "data": "tuning"})
