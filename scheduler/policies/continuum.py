@@ -53,6 +53,5 @@ class ContinuumPolicy(StickyLeastLoadedPolicy):
     def after_call(self, program: Program, now: float) -> list[Action]:
         if program.in_flight or program.home_worker is None:
             return []
-        head = program.chain.head if program.chain is not None else None
         return [Retain(program.session_id, program.home_worker,
-                       self.config.pin_priority, self.ttl_s(), head)]
+                       self.config.pin_priority, self.ttl_s(), program.chain_head)]
