@@ -1,0 +1,103 @@
+"""Fitting the engine model's step time to measured steps (``sluice calibrate``, bench/gpu_profile.py).
+
+The model (sim/step_time.py) is linear in four non-negative coefficients::
+
+    step_s = base_s + prefill_token_s·P + seq_s·S + context_token_s·C
+
+for a step that computes ``P`` prompt tokens, runs ``S`` sequences and attends over ``C``
+context tokens. A measurement is one such step (or the mean of several alike) with its
+duration. The fit minimises the *relative* squared error (each sample weighted by
+``1/seconds``), so a 2 ms decode step counts as much as a 400 ms prefill, under the
+constraint that no coefficient is negative (a negative term has no physical reading and
+extrapolates badly). With four coefficients the constrained problem is solved exactly by
+trying every set of free coefficients (16 least-squares solves) and keeping the best
+feasible one.
+
+Quality is reported as R² (on seconds, unweighted: the share of the variance explained) and
+the largest relative error of any sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+COEFFICIENTS = ("base_s", "prefill_token_s", "seq_s", "context_token_s")
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured step: its shape and how long it took."""
+
+    prefill_tokens: int
+    seqs: int
+    context_tokens: int
+    seconds: float
+    kind: str = ""  # what the sample measured (e.g. "cold prefill", "decode"), for reports
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.seqs), float(self.context_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeFit:
+    """The fitted coefficients and how well they explain the samples."""
+
+    base_s: float
+    prefill_token_s: float
+    seq_s: float
+    context_token_s: float
+    r_squared: float
+    max_relative_error: float
+    samples: int
+
+    def coefficients(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in COEFFICIENTS}
+
+    def predict(self, sample: StepSample) -> float:
+        return (self.base_s + self.prefill_token_s * sample.prefill_tokens + self.seq_s * sample.seqs
+                + self.context_token_s * sample.context_tokens)
+
+    def relative_errors(self, samples: Sequence[StepSample]) -> list[float]:
+        """(predicted − measured) / measured, per sample."""
+        return [(self.predict(s) - s.seconds) / s.seconds for s in samples]
+
+
+class FitError(ValueError):
+    """The samples cannot determine the model (too few, or not positive)."""
+
+
+def fit_step_time(samples: Sequence[StepSample]) -> StepTimeFit:
+    """The non-negative coefficients that best explain ``samples`` in relative terms."""
+    if len(samples) < len(COEFFICIENTS):
+        raise FitError(f"{len(samples)} samples cannot fit {len(COEFFICIENTS)} coefficients")
+    bad = [s for s in samples if not s.seconds > 0 or min(s.prefill_tokens, s.seqs, s.context_tokens) < 0]
+    if bad:
+        raise FitError(f"a sample needs a positive duration and non-negative counts: {bad[0]}")
+    features = np.array([s.features() for s in samples])
+    seconds = np.array([s.seconds for s in samples])
+    weights = 1.0 / seconds
+    weighted_x, weighted_y = features * weights[:, None], seconds * weights
+    best: tuple[float, np.ndarray] | None = None
+    for size in range(len(COEFFICIENTS), 0, -1):
+        for free in itertools.combinations(range(len(COEFFICIENTS)), size):
+            solution, *_ = np.linalg.lstsq(weighted_x[:, free], weighted_y, rcond=None)
+            if (solution < 0).any():
+                continue
+            coefficients = np.zeros(len(COEFFICIENTS))
+            coefficients[list(free)] = solution
+            residual = float(np.sum((weighted_x @ coefficients - weighted_y) ** 2))
+            if best is None or residual < best[0]:
+                best = (residual, coefficients)
+    if best is None:  # pragma: no cover - a single free positive column always fits
+        raise FitError("no non-negative fit exists")
+    coefficients = best[1]
+    predicted = features @ coefficients
+    spread = float(np.sum((seconds - seconds.mean()) ** 2))
+    r_squared = 1.0 - float(np.sum((seconds - predicted) ** 2)) / spread if spread > 0 else 1.0
+    return StepTimeFit(*(float(c) for c in coefficients), r_squared=r_squared,
+                       max_relative_error=float(np.max(np.abs(predicted - seconds) / seconds)),
+                       samples=len(samples))
