@@ -6,7 +6,8 @@ tokens in total. The terms stand for: weights read once per step (memory bound),
 FLOPs (compute bound), per-sequence overheads (sampling, scheduling), and KV reads by
 attention (memory bound).
 
-Presets are derived from public figures, not fitted to measurements here:
+The named presets are derived from public figures, not fitted to measurements (each says so
+in its :class:`Provenance`; a measured one is a preset file, sim/preset_file.py):
 - NVIDIA H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16; H200: 4.8 TB/s HBM3e, 141 GB,
   same compute (NVIDIA H100 and H200 datasheets).
 - Llama-3.1-8B: 8.0 B parameters (16 GB in BF16), 32 layers, 8 KV heads × 128 dims →
@@ -33,12 +34,31 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 _TB = 1e12
 # 2 TB of host DRAM per 8-GPU node (DGX H100), less headroom for the OS and processes
 _HOST_TIER_GIB_PER_GPU = 200.0
 # PCIe Gen5 x16, achievable host↔device copy bandwidth per direction (64 GB/s nominal)
 _PCIE_GEN5_X16_BYTES_PER_S = 50e9
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a preset's numbers come from: public figures, or a fit to a measured engine."""
+
+    kind: Literal["datasheet", "measured"]
+    where: str  # the datasheets cited, or the hardware, engine and model measured
+    how: str  # the derivation, or the command that measured and fitted it
+    # the fit's quality, for a measured preset (sim/calibration.py)
+    r_squared: float | None = None
+    max_relative_error: float | None = None
+    samples: int | None = None
+
+
+DATASHEET = Provenance(
+    "datasheet", "public figures of the GPU and the model (sim/step_time.py's docstring)",
+    "derived: weights and KV reads at 70% of peak bandwidth, prompt FLOPs at 45% MFU; not fitted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +81,7 @@ class StepTimeModel:
     suggested_host_tier_gib: float = 0.0
     # host↔GPU link bandwidth per direction (bytes/s)
     host_link_bytes_per_s: float = 0.0
+    provenance: Provenance = DATASHEET
 
     def with_host_tier(self, gib: float) -> StepTimeModel:
         """This model with a host KV tier of ``gib`` GiB (0 turns it off)."""
