@@ -26,6 +26,7 @@ Where the Python that has torch lacks pydantic (the preset writer's), measure wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -281,6 +282,8 @@ class RandomDecoder:
                  max_positions: int, seed: int) -> None:
         self.torch, self.shape, self.device, self.dtype = torch, shape, device, dtype
         self.functional = torch.nn.functional
+        from torch.nn.attention.bias import causal_lower_right
+        self.causal_lower_right = causal_lower_right
         generator = torch.Generator(device=device).manual_seed(seed)
 
         def weight(*size: int) -> Any:
@@ -311,6 +314,17 @@ class RandomDecoder:
         # how a prefill's queries meet the grouped KV heads: chosen by check_attention()
         self.prefill_attention = "native"
 
+    def attention_kernels(self) -> contextlib.AbstractContextManager[Any]:
+        """On a GPU, attention may only run on a fused kernel: a call none of them takes
+        fails (and check_attention() then picks the other path) rather than falling back to
+        the unfused one, which materialises every score and would time something no engine
+        runs. A CPU has no such kernels to insist on."""
+        if self.device != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.CUDNN_ATTENTION])
+
     def new_cache(self, seqs: int, length: int) -> tuple[Any, Any]:
         """K and V for ``seqs`` sequences of ``length`` tokens: [layers, seqs, kv heads, length,
         head dim] each, filled with finite values (uninitialised memory may hold NaNs or, on a
@@ -325,11 +339,17 @@ class RandomDecoder:
     def forward(self, tokens: Any, cache: tuple[Any, Any], start: int) -> Any:
         """One engine step: ``tokens`` [seqs, new] at positions ``start``…, their K/V written
         into ``cache`` after the ``start`` cached ones; the logits of each last position."""
+        f = self.functional
+        x = f.embedding(tokens, self.embedding)
+        with self.attention_kernels():
+            x = self._layers(x, cache, start)
+        return f.linear(self._rms_norm(x[:, -1], self.final_norm), self.lm_head)
+
+    def _layers(self, x: Any, cache: tuple[Any, Any], start: int) -> Any:
         f, shape = self.functional, self.shape
-        seqs, new = tokens.shape
+        seqs, new = x.shape[:2]
         keys_cache, values_cache = cache
         cos, sin = self.cos[start:start + new], self.sin[start:start + new]
-        x = f.embedding(tokens, self.embedding)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["attention_norm"])
             q, k, v = f.linear(h, layer["qkv"]).split(
@@ -346,7 +366,7 @@ class RandomDecoder:
             x = x + f.linear(attended.transpose(1, 2).reshape(seqs, new, -1), layer["out"])
             gate, up = f.linear(self._rms_norm(x, layer["mlp_norm"]), layer["gate_up"]).chunk(2, dim=-1)
             x = x + f.linear(f.silu(gate) * up, layer["down"])
-        return f.linear(self._rms_norm(x[:, -1], self.final_norm), self.lm_head)
+        return x
 
     def attend(self, q: Any, keys: Any, values: Any, start: int) -> Any:
         """Causal attention of q [seqs, query heads, new, d] over keys/values [seqs, KV heads,
@@ -367,8 +387,7 @@ class RandomDecoder:
         if start == 0:
             return f.scaled_dot_product_attention(q, keys, values, is_causal=True, **grouped_query)
         # behind a cached prefix the causal mask is aligned to the last key (lower right)
-        from torch.nn.attention.bias import causal_lower_right
-        return f.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(new, start + new),
+        return f.scaled_dot_product_attention(q, keys, values, attn_mask=self.causal_lower_right(new, start + new),
                                               **grouped_query)
 
     def _rms_norm(self, x: Any, weight: Any) -> Any:
@@ -407,7 +426,8 @@ class RandomDecoder:
             keys = rand(seqs, shape.kv_heads, start + new, shape.head_dim)
             values = rand(seqs, shape.kv_heads, start + new, shape.head_dim)
             try:
-                got = self.attend(q, keys, values, start).float()
+                with self.attention_kernels():
+                    got = self.attend(q, keys, values, start).float()
             except Exception as err:  # noqa: BLE001 - any backend refusal means "not this path"
                 return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             error = (got - reference(q, keys, values, start)).abs().max().item()

@@ -19,7 +19,7 @@ import pytest
 from bench import gpu_profile
 from bench.gpu_profile import GRIDS
 from sim.preset_file import read_preset_file
-from tests.support.vllm_venv import ROOT, vllm_env, vllm_python
+from tests.support.vllm_venv import ROOT, run_check, vllm_env, vllm_python
 
 BUDGET_S = 60
 
@@ -91,3 +91,41 @@ def test_refitting_the_samples_gives_the_same_preset(toy_run: ToyRun, tmp_path: 
         assert getattr(refit, name) == pytest.approx(getattr(first, name), rel=1e-9), name
     assert refit.provenance.how.startswith(first.provenance.how)
     assert "fitted by python -m bench.gpu_profile --from-samples" in refit.provenance.how
+
+
+CACHE_CONSISTENCY = """
+import json, torch
+from bench.gpu_profile import RandomDecoder, SHAPES
+decoder = RandomDecoder(torch, SHAPES["toy"], device="cpu", dtype=torch.float32, max_positions=128, seed=3)
+decoder.check_attention()
+tokens = decoder.random_tokens(2, 97)
+
+def logits(chunks, path):
+    decoder.prefill_attention = path
+    cache, start = decoder.new_cache(2, 97), 0
+    with torch.inference_mode():
+        for size in chunks:
+            out = decoder.forward(tokens[:, start:start + size], cache, start=start)
+            start += size
+    return out
+
+whole = logits([97], "native")
+gaps = {
+    "decode after a prefill": (logits([96, 1], "native") - whole).abs().max().item(),
+    "prefill behind a cached prefix": (logits([40, 57], "native") - whole).abs().max().item(),
+    "expanded K/V": (logits([40, 57], "expanded") - whole).abs().max().item(),
+    "another cache's leftovers": (logits([97], "native") - whole).abs().max().item(),
+}
+print("RESULT" + json.dumps({"gaps": gaps, "scale": whole.abs().max().item()}))
+"""
+
+
+def test_the_kv_cache_gives_what_one_whole_prefill_gives() -> None:
+    """The decoder is a transformer with a working cache: a decode step after a prefill, or a
+    prefill behind a cached prefix (either attention path), yields the logits of computing the
+    whole sequence at once. (new_cache fills with random values, so a step that read cache
+    positions it should not would show.)"""
+    result = run_check(CACHE_CONSISTENCY)
+    assert result["scale"] > 1e-3
+    for what, gap in result["gaps"].items():
+        assert gap < 1e-4 * max(1.0, result["scale"]), (what, gap)
