@@ -551,6 +551,9 @@ class Profiler:
                     seconds.append(self.device.time_step(step))
                     if time.monotonic() >= deadline:
                         break  # the budget ends inside this point: keep what was timed
+            if self.device.is_cuda:
+                peak = torch.cuda.max_memory_allocated() - before - cache_bytes
+                self.peak_activation_bytes = max(self.peak_activation_bytes, peak)
         except torch.cuda.OutOfMemoryError as err:
             raise PointSkipped(f"out of device memory ({str(err).splitlines()[0]})") from None
         except RuntimeError as err:
@@ -559,9 +562,7 @@ class Profiler:
         finally:
             cache = tokens = None
             if self.device.is_cuda:
-                peak = torch.cuda.max_memory_allocated() - before - cache_bytes
-                self.peak_activation_bytes = max(self.peak_activation_bytes, peak)
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the next point may need one larger cache
         self.step_seconds[point] = seconds
         return statistics.median(seconds)
 
@@ -668,14 +669,15 @@ def measure(args: argparse.Namespace, command: str) -> Measurement:
     kv_capacity = int(pool // kv_bytes)
     if kv_capacity < BLOCK_SIZE:
         raise ProfileError(f"no room for a KV cache: {capacity_how}")
+    prefill_attention = ("grouped-query kernel" if decoder.prefill_attention == "native"
+                         else "K/V expanded to every query head")
     where = (f"{device.description()}, torch {torch.__version__}, {shape.name}-shaped decoder "
-             f"({shape.summary()}), random {args.dtype} weights, prefill attention "
-             f"{decoder.prefill_attention} GQA")
+             f"({shape.summary()}), random {args.dtype} weights, prefill attention: {prefill_attention}")
     how = (f"{command}: PyTorch eager (no CUDA graphs), median of {args.repeats} timed steps after "
            f"{args.warmup} warm-up")
     return Measurement(
-        where=where, how=how, device=device.description(), shape=shape.name, kv_bytes_per_token=kv_bytes, kv_capacity_tokens=kv_capacity,
-        kv_capacity_how=capacity_how, samples=grid_run.samples(),
+        where=where, how=how, device=device.description(), shape=shape.name, kv_bytes_per_token=kv_bytes,
+        kv_capacity_tokens=kv_capacity, kv_capacity_how=capacity_how, samples=grid_run.samples(),
         step_seconds=[profiler.step_seconds[point] for point, _ in grid_run.measured],
         skipped=[(point.label(), reason) for point, reason in grid_run.skipped],
         budget_s=args.budget_s, elapsed_s=time.monotonic() - began)
@@ -750,8 +752,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "`python -m bench.gpu_profile --device cpu --shape toy --dtype float32 --budget-s 60 --out "
         "toy.yaml` to try it on a CPU; `--samples-out s.json` where torch has no pydantic beside it, "
         "then `--from-samples s.json --out preset.yaml` in the project's venv.")
-    parser.add_argument("--out", type=Path, help="write the fitted preset (YAML) here")
-    parser.add_argument("--samples-out", type=Path,
+    parser.add_argument("--out", type=Path, metavar="PRESET", help="write the fitted preset (YAML) here")
+    parser.add_argument("--samples-out", type=Path, metavar="SAMPLES",
                         help="also write every measured step (JSON), to keep or to fit elsewhere")
     parser.add_argument("--from-samples", type=Path, metavar="SAMPLES",
                         help="measure nothing: fit a samples file written by --samples-out (no torch needed)")
@@ -760,10 +762,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the transformer (default llama3.1-8b; toy is for trying it on a CPU)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
                         help="weights, activations and KV cache (default bfloat16)")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="wall-clock budget of the whole run, torch's import included (default 480)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per point (default 2)")
-    parser.add_argument("--repeats", type=int, default=7,
+    parser.add_argument("--budget-s", type=float, default=480.0, metavar="SECONDS",
+                        help="wall-clock budget of the whole run, torch's import included; points "
+                        "that would overrun it are skipped and named (default 480)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="STEPS", help="untimed steps per point (default 2)")
+    parser.add_argument("--repeats", type=int, default=7, metavar="STEPS",
                         help="timed steps per point; the median is kept (default 7)")
     parser.add_argument("--name", help="the preset's name (default: SHAPE-DEVICE-measured)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
