@@ -16,7 +16,7 @@ context_token_s·C`` (sim/calibration.py) and writes a preset with provenance "m
 The whole run, from importing torch to writing the preset, stays inside ``--budget-s``: the
 grid is visited small points first, alternating between the three kinds, and a point whose
 predicted time no longer fits is skipped (and named). What it leaves out (vLLM's scheduler,
-sampling, paged-attention kernels, CUDA graphs) is in docs/design-notes.md, "GPU profile".
+sampling, paged-attention kernels) is in docs/design-notes.md, "GPU profile".
 
 Where the Python that has torch lacks pydantic (the preset writer's), measure with
 ``--samples-out samples.json`` there and fit elsewhere with ``--from-samples samples.json
@@ -509,8 +509,12 @@ def _meminfo(key: str) -> int:
 class Profiler:
     """Times the grid's points on one device with one model."""
 
-    def __init__(self, device: Device, decoder: RandomDecoder, *, warmup: int, repeats: int) -> None:
+    def __init__(self, device: Device, decoder: RandomDecoder, *, warmup: int, repeats: int,
+                 cuda_graphs: bool) -> None:
         self.device, self.decoder, self.warmup, self.repeats = device, decoder, warmup, repeats
+        # vLLM replays decode steps as CUDA graphs; eager steps would pay ~1,000 kernel launches
+        self.cuda_graphs = cuda_graphs and device.is_cuda
+        self.graph_failures: list[str] = []
         self.dtype_bytes = decoder.torch.empty((), dtype=decoder.dtype).element_size()
         # the most memory a step needed beyond weights and KV cache (vLLM's profile run)
         self.peak_activation_bytes = 0
@@ -545,6 +549,8 @@ class Profiler:
 
                 for _ in range(self.warmup):
                     step()
+                if self.cuda_graphs and point.kind == "decode":
+                    step = self._as_graph(step, point)
                 self.device.synchronize()
                 seconds: list[float] = []
                 while len(seconds) < self.repeats:
@@ -560,11 +566,32 @@ class Profiler:
             # one kernel refusing one shape should not throw away a whole GPU run; it is named
             raise PointSkipped(f"failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
         finally:
-            cache = tokens = None
+            cache = tokens = step = None  # a captured graph holds its own memory too
             if self.device.is_cuda:
                 torch.cuda.empty_cache()  # the next point may need one larger cache
         self.step_seconds[point] = seconds
         return statistics.median(seconds)
+
+    def _as_graph(self, step: Callable[[], Any], point: GridPoint) -> Callable[[], Any]:
+        """``step`` captured as a CUDA graph (its replay does the same kernels on the same
+        tensors, without launching each); the eager step, named, where capture fails."""
+        torch = self.device.torch
+        try:
+            graph = torch.cuda.CUDAGraph()
+            # one run on a side stream first, as capture requires of the allocator
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                step()
+        except RuntimeError as err:
+            reason = f"{point.label()}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.graph_failures.append(reason)
+            say(f"CUDA graph capture failed, timing this point eagerly ({reason})")
+            return step
+        return graph.replay
 
 
 # -- the whole run --------------------------------------------------------------------------
@@ -649,7 +676,8 @@ def measure(args: argparse.Namespace, command: str) -> Measurement:
     decoder.check_attention()
     say(f"weights built; {len(points)} grid points, {args.warmup} warm-up + {args.repeats} timed steps each, "
         f"{max(deadline - time.monotonic(), 0.0):.0f} s of budget left")
-    profiler = Profiler(device, decoder, warmup=args.warmup, repeats=args.repeats)
+    profiler = Profiler(device, decoder, warmup=args.warmup, repeats=args.repeats,
+                        cuda_graphs=args.cuda_graphs)
     grid_run = run_grid(points, profiler.measure, deadline=deadline, clock=time.monotonic,
                         steps_per_point=args.warmup + args.repeats)
     say(f"{len(grid_run.measured)} of {len(points)} points measured, {len(grid_run.skipped)} skipped")
@@ -673,8 +701,15 @@ def measure(args: argparse.Namespace, command: str) -> Measurement:
                          else "K/V expanded to every query head")
     where = (f"{device.description()}, torch {torch.__version__}, {shape.name}-shaped decoder "
              f"({shape.summary()}), random {args.dtype} weights, prefill attention: {prefill_attention}")
-    how = (f"{command}: PyTorch eager (no CUDA graphs), median of {args.repeats} timed steps after "
-           f"{args.warmup} warm-up")
+    if profiler.cuda_graphs:
+        execution = "decode steps replayed as CUDA graphs"
+        if profiler.graph_failures:
+            execution += f" (eager at {len(profiler.graph_failures)} point(s) where capture failed)"
+        execution += ", prefills eager"
+    else:
+        execution = "PyTorch eager, no CUDA graphs"
+    how = (f"{command}: {execution}; median of {args.repeats} timed steps after {args.warmup} "
+           "warm-up")
     return Measurement(
         where=where, how=how, device=device.description(), shape=shape.name, kv_bytes_per_token=kv_bytes,
         kv_capacity_tokens=kv_capacity, kv_capacity_how=capacity_how, samples=grid_run.samples(),
@@ -768,6 +803,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, metavar="STEPS", help="untimed steps per point (default 2)")
     parser.add_argument("--repeats", type=int, default=7, metavar="STEPS",
                         help="timed steps per point; the median is kept (default 7)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay decode steps as CUDA graphs, as vLLM does (default on; a GPU only)")
     parser.add_argument("--name", help="the preset's name (default: SHAPE-DEVICE-measured)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     args = parser.parse_args(argv)
