@@ -96,6 +96,7 @@ def test_refitting_the_samples_gives_the_same_preset(toy_run: ToyRun, tmp_path: 
 CACHE_CONSISTENCY = """
 import json, torch
 from bench.gpu_profile import RandomDecoder, SHAPES
+torch.set_num_threads(1)  # threads waiting on each other on a busy machine cost seconds
 decoder = RandomDecoder(torch, SHAPES["toy"], device="cpu", dtype=torch.float32, max_positions=128, seed=3)
 decoder.check_attention()
 tokens = decoder.random_tokens(2, 97)
