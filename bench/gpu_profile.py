@@ -715,6 +715,9 @@ def measure(args: argparse.Namespace, command: str) -> Measurement:
         execution = "PyTorch eager, no CUDA graphs"
     how = (f"{command}: {execution}; median of {args.repeats} timed steps after {args.warmup} "
            "warm-up")
+    if grid_run.skipped:
+        how += (f"; {len(grid_run.measured)} of {len(points)} grid points, "
+                f"{len(grid_run.skipped)} skipped (budget or memory)")
     return Measurement(
         where=where, how=how, device=device.description(), shape=shape.name, kv_bytes_per_token=kv_bytes,
         kv_capacity_tokens=kv_capacity, kv_capacity_how=capacity_how, samples=grid_run.samples(),
