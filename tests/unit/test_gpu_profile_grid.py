@@ -4,7 +4,9 @@ missing. (The timing itself runs in tests/integration/test_gpu_profile.py.)"""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,8 @@ from bench.gpu_profile import (
     decode,
     run_grid,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def terms(sample) -> tuple[int, int, int]:
@@ -132,3 +136,26 @@ def test_usage_errors_exit_2(capsys) -> None:
         gpu_profile.main(["--device", "cpu"])  # nowhere to write anything
     assert exit_.value.code == 2
     assert "nothing to write" in capsys.readouterr().err
+
+
+def test_measuring_needs_only_torch_and_numpy(tmp_path) -> None:
+    """A GPU image may have torch and numpy but not the project's pydantic and PyYAML: the
+    module and its measuring path import neither, so without torch as well the only thing it
+    misses is torch."""
+    code = ("import sys; sys.modules.update(pydantic=None, yaml=None, torch=None); "
+            "from bench.gpu_profile import main; "
+            f"sys.exit(main(['--device', 'cpu', '--samples-out', {str(tmp_path / 's.json')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "PyTorch is not installed" in proc.stderr
+
+
+def test_a_preset_without_its_writer_exits_2_before_measuring(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "sim.preset_file", None)  # as where pydantic is missing
+    monkeypatch.setitem(sys.modules, "torch", None)  # would fail later: the writer is checked first
+    status = gpu_profile.main(["--device", "cpu", "--out", str(tmp_path / "p.yaml")])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--samples-out" in err and "--from-samples" in err
+    assert list(tmp_path.iterdir()) == []
