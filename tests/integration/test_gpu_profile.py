@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_profile
-from bench.gpu_profile import GRIDS
+from bench.gpu_grid import GRIDS
 from sim.preset_file import read_preset_file
 from tests.support.vllm_venv import ROOT, run_check, vllm_env, vllm_python
 
@@ -95,7 +95,8 @@ def test_refitting_the_samples_gives_the_same_preset(toy_run: ToyRun, tmp_path: 
 
 CACHE_CONSISTENCY = """
 import json, torch
-from bench.gpu_profile import RandomDecoder, SHAPES
+from bench.gpu_decoder import RandomDecoder
+from bench.gpu_grid import SHAPES
 torch.set_num_threads(1)  # threads waiting on each other on a busy machine cost seconds
 decoder = RandomDecoder(torch, SHAPES["toy"], device="cpu", dtype=torch.float32, max_positions=128, seed=3)
 decoder.check_attention()

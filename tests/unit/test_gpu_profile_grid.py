@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_profile
-from bench.gpu_profile import (
+from bench.gpu_grid import (
     GRIDS,
     SHAPES,
     GridPoint,
