@@ -21,6 +21,7 @@ SLOW_TIERS = frozenset({"e2e", "fidelity", "clients", "ray"})
 SLOW_FILES = frozenset({
     "integration/test_parity.py",          # two shells over 120 virtual seconds (~2 min)
     "property/test_bounded_state.py",      # long lives of every policy (~60 s together)
+    "integration/test_gpu_profile.py",     # a real transformer in vLLM's venv (torch), 15-35 s
 })
 
 # Single tests (file::name; a parametrised test by its function name) that run long on their
