@@ -22,6 +22,7 @@ from entry.trace_input import load_trace
 from entry.tune_command import tune
 from entry.usage_error import usage_error
 from scheduler.config import POLICY_NAMES, ConfigError, parse_policy_yaml
+from sim.preset_file import read_preset_file
 from sim.report import format_table, with_ceiling_ratio, write_json
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, preset_record,
                       run_policies, trace_span_s, workload_feed)
@@ -262,11 +263,37 @@ def sweep(
     typer.echo(f"wrote {out}/results.md, results.json, throughput.png, hit_rate.png, p99_latency.png")
 
 
-def list_presets() -> None:
-    """List the step-time presets and the public figures behind them."""
-    for model in presets().values():
+ShownFileOption = Annotated[Path | None, typer.Option(
+    "--file", dir_okay=False, metavar="PATH",
+    help="Show the preset in this file (what --preset-file would use) instead of the named ones.")]
+
+
+def list_presets(preset_file: ShownFileOption = None) -> None:
+    """List the step-time presets: each one's KV pool, its decode step, and where its numbers
+    come from (datasheets, or measured: on what, by what command, how well the fit held)."""
+    if preset_file is None:
+        shown = list(presets().values())
+    else:
+        try:
+            shown = [read_preset_file(preset_file)]
+        except ConfigError as err:
+            raise usage_error(str(err)) from None
+    for model in shown:
         typer.echo(f"{model.name:<22} {model.description}; KV pool {model.kv_capacity_tokens:,} tokens, "
                    f"decode step {model.base_s * 1e3:.1f} ms + {model.context_token_s * 1e9:.0f} ns/context token")
+        typer.echo(f"{'':<22} {_provenance_line(model)}")
+
+
+def _provenance_line(model: StepTimeModel) -> str:
+    """Where ``model``'s numbers come from, on one line: ``datasheet: ...`` or ``measured: ...``
+    with the fit's quality where the file gives it."""
+    source = model.provenance
+    fit = [f"R² {source.r_squared:.3f}" if source.r_squared is not None else "",
+           f"max relative error {source.max_relative_error:.1%}"
+           if source.max_relative_error is not None else "",
+           f"{source.samples:,} samples" if source.samples is not None else ""]
+    fit_text = ", ".join(part for part in fit if part)
+    return f"{source.kind}: {source.where}; {source.how}" + (f"; fit {fit_text}" if fit_text else "")
 
 
 def register(app: typer.Typer) -> None:
