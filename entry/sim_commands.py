@@ -240,7 +240,9 @@ def _fresh(programs):
 
 
 def sweep(
-    config: Path = typer.Argument(..., help="Sweep YAML (see experiments/concurrency_sweep.yaml).",
+    config: Path = typer.Argument(..., help="Sweep YAML (see experiments/concurrency_sweep.yaml); "
+                                            "its engines are a named `preset:` or a `preset_file:` "
+                                            "(a path relative to the YAML's folder).",
                                   metavar="CONFIG.yaml"),
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1,
                                        help="Parallel runs (default: the file's `jobs`)."),
