@@ -15,17 +15,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from entry.sim_options import (SchedulingPolicyOption, check_preset, check_scheduling_policy,
-                               command_line)
+from entry.sim_options import (PresetFileOption, PresetOption, SchedulingPolicyOption,
+                               check_scheduling_policy, command_line, step_time_model)
 from entry.simworker_command import simworker
 from entry.trace_input import load_trace
 from entry.tune_command import tune
 from entry.usage_error import usage_error
 from scheduler.config import POLICY_NAMES, ConfigError, parse_policy_yaml
+from sim.preset_file import read_preset_file
 from sim.report import format_table, with_ceiling_ratio, write_json
-from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, run_policies,
-                      trace_span_s, workload_feed)
-from sim.step_time import DEFAULT_PRESET, presets
+from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, preset_record,
+                      run_policies, trace_span_s, workload_feed)
+from sim.step_time import StepTimeModel, presets
 
 
 # Options that sim and replay share, declared once (typer reads them from the annotations).
@@ -60,11 +61,11 @@ def _policies(spec: str) -> list[str]:
     return names
 
 
-def _host_tier_gib(preset: str, kv_offload_gib: float, host_tier: bool) -> float:
+def _host_tier_gib(model: StepTimeModel, kv_offload_gib: float, host_tier: bool) -> float:
     """The host tier size a run asks for: --kv-offload-gb, else the preset's with --host-tier."""
     if kv_offload_gib > 0:
         return kv_offload_gib
-    return presets()[preset].suggested_host_tier_gib if host_tier else 0.0
+    return model.suggested_host_tier_gib if host_tier else 0.0
 
 
 def _policy_config(path: Path | None):
@@ -88,8 +89,8 @@ def sim(
                                          "rl_rollout, rl_swe: programs per GRPO batch, 8 "
                                          "samples per task; rl_swe at 512 is ~2x 8 H100s' KV)."),
     workers: int = typer.Option(8, "--workers", min=1, help="Simulated vLLM workers."),
-    preset: str = typer.Option(DEFAULT_PRESET, "--preset",
-                               help="Hardware/model step-time preset (see `sluice presets`)."),
+    preset: PresetOption = None,
+    preset_file: PresetFileOption = None,
     duration: float = typer.Option(900.0, "--duration", min=1.0, help="Simulated seconds."),
     policy: str = typer.Option("program_aware,kv_aware,least_loaded", "--policy",
                                help="Comma-separated policies to compare on the same programs."),
@@ -105,24 +106,24 @@ def sim(
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
-    check_preset(preset)
+    model = step_time_model(preset, preset_file)
     check_scheduling_policy(scheduling_policy)
     policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
-        preset=preset, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
+        preset=model, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
         ceiling=ceiling, policy_config=policy_config,
-        kv_offload_gib=_host_tier_gib(preset, kv_offload_gib, host_tier),
+        kv_offload_gib=_host_tier_gib(model, kv_offload_gib, host_tier),
         scheduling_policy=scheduling_policy,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": command_line(), "workload": workload, "concurrency": concurrency,
-                  "workers": workers, "preset": preset, "duration_s": duration, "seed": seed,
-                  "block_size": block_size, "policies": names, "ceiling": ceiling,
-                  "kv_offload_gib": _host_tier_gib(preset, kv_offload_gib, host_tier),
+                  "workers": workers, **preset_record(model, preset_file), "duration_s": duration,
+                  "seed": seed, "block_size": block_size, "policies": names, "ceiling": ceiling,
+                  "kv_offload_gib": _host_tier_gib(model, kv_offload_gib, host_tier),
                   "scheduling_policy": scheduling_policy}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
@@ -137,7 +138,8 @@ def replay(
                                help="Comma-separated policies to compare."),
     time_scale: float = typer.Option(1.0, "--time-scale",
                                      help="Multiply arrival and think times (0.5 replays twice as fast)."),
-    preset: str = typer.Option(DEFAULT_PRESET, "--preset", help="Step-time preset."),
+    preset: PresetOption = None,
+    preset_file: PresetFileOption = None,
     drain: float = typer.Option(1800.0, "--drain", min=0.0,
                                 help="Open loop: simulated seconds allowed after the last arrival."),
     concurrency: Optional[int] = typer.Option(
@@ -172,12 +174,12 @@ def replay(
 
     names = _policies(policy)
     policy_config = _policy_config(config_path)
-    check_preset(preset)
+    model = step_time_model(preset, preset_file)
     check_scheduling_policy(scheduling_policy)
     if time_scale <= 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     loader_options = _replay_loader_options(fmt, timing, warm_prefix)
-    programs, block_size = load_trace(fmt, trace, time_scale, preset, **loader_options)
+    programs, block_size = load_trace(fmt, trace, time_scale, model, **loader_options)
     span = trace_span_s(programs)
     typer.echo(f"{trace}: {sum(len(p.calls) for p in programs):,} calls in {len(programs):,} "
                f"sessions over {span:,.0f} s (block size {block_size})", err=True)
@@ -195,15 +197,15 @@ def replay(
                    f"conversations, {concurrency:,} in flight at a time", err=True)
 
     results = run_policies(
-        names, feed_for, workers=workers, preset=preset, duration_s=cap, block_size=block_size,
+        names, feed_for, workers=workers, preset=model, duration_s=cap, block_size=block_size,
         stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling, policy_config=policy_config,
-        kv_offload_gib=_host_tier_gib(preset, kv_offload_gib, host_tier),
+        kv_offload_gib=_host_tier_gib(model, kv_offload_gib, host_tier),
         scheduling_policy=scheduling_policy,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": command_line(), "format": fmt, "trace": str(trace), "workers": workers,
-                  "preset": preset, "time_scale": time_scale, "block_size": block_size,
+                  **preset_record(model, preset_file), "time_scale": time_scale, "block_size": block_size,
                   "policies": names, "ceiling": ceiling, "concurrency": concurrency, "duration_s": duration,
                   "scheduling_policy": scheduling_policy, **loader_options}
         write_json(json_path, results, config)
@@ -238,7 +240,9 @@ def _fresh(programs):
 
 
 def sweep(
-    config: Path = typer.Argument(..., help="Sweep YAML (see experiments/concurrency_sweep.yaml).",
+    config: Path = typer.Argument(..., help="Sweep YAML (see experiments/concurrency_sweep.yaml); "
+                                            "its engines are a named `preset:` or a `preset_file:` "
+                                            "(a path relative to the YAML's folder).",
                                   metavar="CONFIG.yaml"),
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1,
                                        help="Parallel runs (default: the file's `jobs`)."),
@@ -261,11 +265,37 @@ def sweep(
     typer.echo(f"wrote {out}/results.md, results.json, throughput.png, hit_rate.png, p99_latency.png")
 
 
-def list_presets() -> None:
-    """List the step-time presets and the public figures behind them."""
-    for model in presets().values():
+ShownFileOption = Annotated[Path | None, typer.Option(
+    "--file", dir_okay=False, metavar="PATH",
+    help="Show the preset in this file (what --preset-file would use) instead of the named ones.")]
+
+
+def list_presets(preset_file: ShownFileOption = None) -> None:
+    """List the step-time presets: each one's KV pool, its decode step, and where its numbers
+    come from (datasheets, or measured: on what, by what command, how well the fit held)."""
+    if preset_file is None:
+        shown = list(presets().values())
+    else:
+        try:
+            shown = [read_preset_file(preset_file)]
+        except ConfigError as err:
+            raise usage_error(str(err)) from None
+    for model in shown:
         typer.echo(f"{model.name:<22} {model.description}; KV pool {model.kv_capacity_tokens:,} tokens, "
                    f"decode step {model.base_s * 1e3:.1f} ms + {model.context_token_s * 1e9:.0f} ns/context token")
+        typer.echo(f"{'':<22} {_provenance_line(model)}")
+
+
+def _provenance_line(model: StepTimeModel) -> str:
+    """Where ``model``'s numbers come from, on one line: ``datasheet: ...`` or ``measured: ...``
+    with the fit's quality where the file gives it."""
+    source = model.provenance
+    fit = [f"R² {source.r_squared:.3f}" if source.r_squared is not None else "",
+           f"max relative error {source.max_relative_error:.1%}"
+           if source.max_relative_error is not None else "",
+           f"{source.samples:,} samples" if source.samples is not None else ""]
+    fit_text = ", ".join(part for part in fit if part)
+    return f"{source.kind}: {source.where}; {source.how}" + (f"; fit {fit_text}" if fit_text else "")
 
 
 def register(app: typer.Typer) -> None:

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
+from entry.sim_options import PresetFileOption, PresetOption, step_time_model
 from entry.usage_error import usage_error
-from sim.step_time import DEFAULT_PRESET, presets
 
 
 def _configure_logging() -> None:
@@ -36,8 +36,8 @@ def _configure_logging() -> None:
 def simworker(
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="HTTP port of the OpenAI API."),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP address to listen on."),
-    preset: str = typer.Option(DEFAULT_PRESET, "--preset",
-                               help="Hardware/model step-time preset (see `sluice presets`)."),
+    preset: PresetOption = None,
+    preset_file: PresetFileOption = None,
     blocks: Optional[int] = typer.Option(None, "--blocks", min=2,
                                          help="KV blocks, null block included (vLLM's num_gpu_blocks); "
                                               "default: the preset's KV pool."),
@@ -83,8 +83,7 @@ def simworker(
              "default: fresh entropy."),
 ) -> None:
     """Serve the OpenAI API, /metrics and vLLM-format KV events from the simulated engine."""
-    if preset not in presets():
-        raise usage_error(f"unknown preset {preset!r}; choose from {', '.join(presets())}")
+    step_time = step_time_model(preset, preset_file)
     if not time_scale > 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     if not prefill_scale > 0:
@@ -98,7 +97,7 @@ def simworker(
 
     from simworker.worker import SimWorkerConfig, create_app
 
-    config = SimWorkerConfig(name=name, model=model, preset=preset, num_blocks=blocks,
+    config = SimWorkerConfig(name=name, model=model, preset=step_time, num_blocks=blocks,
                              block_size=block_size, kv_events=kv_events, replay=replay or None,
                              directives=directives or None,
                              topic=topic, time_scale=time_scale, prefill_scale=prefill_scale,
@@ -106,7 +105,9 @@ def simworker(
                              scheduling_policy=scheduling_policy, tool_call_turns=tool_call_turns,
                              sampling_seed=sampling_seed)
     _configure_logging()
-    typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {preset}, "
+    origin = f" from {preset_file}" if preset_file is not None else ""
+    typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {step_time.name}"
+               f"{origin} ({step_time.provenance.kind}), "
                f"KV events {kv_events} topic {config.kv_topic!r}"
                + (f", replay {replay}" if replay else "")
                + (f", directives {directives}" if directives else "") + f", time scale {time_scale}"

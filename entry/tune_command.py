@@ -19,14 +19,14 @@ from typing import Any, Optional
 
 import typer
 
-from entry.sim_options import (SchedulingPolicyOption, check_preset, check_scheduling_policy,
-                               command_line)
+from entry.sim_options import (PresetFileOption, PresetOption, SchedulingPolicyOption,
+                               check_scheduling_policy, command_line, step_time_model)
 from entry.trace_input import load_trace
 from entry.usage_error import usage_error
 from sim import tuning
 from sim.report import format_table, with_ceiling_ratio
-from sim.runs import DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS
-from sim.step_time import DEFAULT_PRESET
+from sim.runs import DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, preset_record
+from sim.step_time import StepTimeModel
 
 DEFAULT_WORKLOAD = "swebench"
 DEFAULT_CONCURRENCY = 256
@@ -81,8 +81,8 @@ def tune(
     policy: str = typer.Option("program_aware", "--policy",
                                help="The policy whose keys are searched (one with a search "
                                     "space: program_aware)."),
-    preset: str = typer.Option(DEFAULT_PRESET, "--preset",
-                               help="Hardware/model step-time preset (see `sluice presets`)."),
+    preset: PresetOption = None,
+    preset_file: PresetFileOption = None,
     block_size: int = typer.Option(DEFAULT_BLOCK_SIZE, "--block-size", min=1,
                                    help="Workload: KV block size in tokens (a trace brings its own)."),
     time_scale: float = typer.Option(1.0, "--time-scale",
@@ -114,7 +114,7 @@ def tune(
     """Search a policy's keys on the simulator (Optuna): maximise output tokens/s subject to a
     p99 call-latency limit, check the best against the defaults on held-back data, write a
     `policy:` section."""
-    check_preset(preset)
+    model = step_time_model(preset, preset_file)
     check_scheduling_policy(scheduling_policy)
     if policy not in tuning.SEARCH_SPACES:
         raise usage_error(f"--policy {policy!r} has no search space; tunable: "
@@ -134,12 +134,12 @@ def tune(
 
     if fmt is not None or trace is not None:
         tuning_data, held_back = _trace_scenarios(
-            workload, fmt, trace, holdout_seed, holdout_fraction, concurrency, workers, preset,
+            workload, fmt, trace, holdout_seed, holdout_fraction, concurrency, workers, model,
             time_scale, drain, duration, scheduling_policy)
     else:
         tuning_data, held_back = _workload_scenarios(
             workload or DEFAULT_WORKLOAD, concurrency or DEFAULT_CONCURRENCY, seed, holdout_seed,
-            workers, preset, duration or DEFAULT_DURATION_S, block_size, scheduling_policy)
+            workers, model, duration or DEFAULT_DURATION_S, block_size, scheduling_policy)
 
     typer.echo(f"tuning {policy} on {tuning_data.label}: {trials} trials, {jobs} processes, "
                f"rounds of {batch}", err=True)
@@ -191,6 +191,7 @@ def tune(
         doc = {"config": {"command": command_line(), "policy": policy, "tuning_data": tuning_data.label,
                           "held_back_data": held_back.label, "trials": trials, "batch": batch,
                           "sampler_seed": seed, "scheduling_policy": scheduling_policy,
+                          **preset_record(model, preset_file),
                           "p99_limit_s": study.p99_limit_s,
                           "held_back_p99_limit_s": held_limit},
                "trials": [record.as_json() for record in study.records],
@@ -203,7 +204,7 @@ def tune(
 
 
 def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed: Optional[int],
-                        workers: int, preset: str, duration: float, block_size: int,
+                        workers: int, model: StepTimeModel, duration: float, block_size: int,
                         scheduling_policy: str):
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -211,7 +212,7 @@ def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed
     if held_seed == seed:
         raise usage_error(f"--holdout-seed must differ from --seed ({seed}): the check needs "
                           "programs the search never saw")
-    common = dict(workload=workload, concurrency=concurrency, workers=workers, preset=preset,
+    common = dict(workload=workload, concurrency=concurrency, workers=workers, preset=model,
                   duration_s=duration, block_size=block_size, scheduling_policy=scheduling_policy)
     where = f"{workload} CC{concurrency}, {workers} workers, {duration:.0f} s"
     return (tuning.WorkloadScenario(label=f"{where}, seed {seed}", seed=seed, **common),
@@ -220,7 +221,7 @@ def _workload_scenarios(workload: str, concurrency: int, seed: int, holdout_seed
 
 def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optional[Path],
                      holdout_seed: Optional[int], fraction: float, concurrency: Optional[int],
-                     workers: int, preset: str, time_scale: float, drain: float,
+                     workers: int, model: StepTimeModel, time_scale: float, drain: float,
                      duration: Optional[float], scheduling_policy: str):
 
     if workload is not None:
@@ -234,7 +235,7 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
         raise usage_error(f"--holdout-fraction must be between 0 and 1, got {fraction}")
     if time_scale <= 0:
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
-    programs, block_size = load_trace(fmt, trace, time_scale, preset)
+    programs, block_size = load_trace(fmt, trace, time_scale, model)
     try:
         tuning_part, held_part = tuning.held_back_split(programs, fraction)
     except ValueError as err:
@@ -244,7 +245,7 @@ def _trace_scenarios(workload: Optional[str], fmt: Optional[str], trace: Optiona
         typer.echo("open loop: every session arrives at its recorded time, so output tokens/s is "
                    "the trace's own unless the fleet falls behind; --concurrency N (closed loop) "
                    "or --time-scale < 1 makes the throughput depend on the policy", err=True)
-    common = dict(workers=workers, preset=preset, block_size=block_size, concurrency=concurrency,
+    common = dict(workers=workers, preset=model, block_size=block_size, concurrency=concurrency,
                   drain_s=drain, duration_cap_s=duration, scheduling_policy=scheduling_policy)
     name = f"{fmt} {trace.name}, {workers} workers, {loop}"
     return (tuning.TraceScenario(label=f"{name}, first {len(tuning_part)} sessions",

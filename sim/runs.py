@@ -18,7 +18,7 @@ from sim.feeds import Batches, ClosedLoop, ProgramFeed
 from sim.programs import ProgramSpec
 from sim.report import Progress
 from sim.simulation import SimResult, Simulation
-from sim.step_time import preset as load_preset
+from sim.step_time import PresetSpec, StepTimeModel, model_of
 
 # The simulator's default block size. vLLM's GPU default is 16; 64 gives the same hit and
 # eviction pattern up to the last partial block of each prompt at a quarter of the cost
@@ -100,7 +100,7 @@ def run_policies(
     feed_for: Callable[[], ProgramFeed],
     *,
     workers: int,
-    preset: str,
+    preset: PresetSpec,
     duration_s: float,
     block_size: int | None = DEFAULT_BLOCK_SIZE,
     policy_config: PolicyConfig | None = None,
@@ -116,11 +116,12 @@ def run_policies(
     ``kv_offload_gib`` > 0 gives every worker, under every policy, a host KV tier of that size
     (vLLM's native CPU offloading, ``--kv-offloading-size``), and tells the policies that know
     the tier (program_aware's ``retention.host_tier``, unless the config set it).
-    ``scheduling_policy`` is every engine's vLLM ``--scheduling-policy`` (the ceiling's too)."""
+    ``scheduling_policy`` is every engine's vLLM ``--scheduling-policy`` (the ceiling's too).
+    ``preset`` is a named preset or a model (one read from a preset file)."""
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {scheduling_policy!r}")
-    model = load_preset(preset).with_host_tier(kv_offload_gib)
+    model = model_of(preset).with_host_tier(kv_offload_gib)
     runs: list[tuple[str, str, int | None]] = [(name, name, None) for name in policies]
     if ceiling:
         size = block_size or model.block_size
@@ -146,6 +147,14 @@ def run_policies(
     return results
 
 
+def preset_record(model: StepTimeModel, preset_file: Path | str | None) -> dict[str, Any]:
+    """What a result's ``config`` records of the step-time model it ran on: the preset's name,
+    the file it was read from (None: a named preset) and whether its numbers were measured or
+    come from datasheets."""
+    return {"preset": model.name, "preset_file": None if preset_file is None else str(preset_file),
+            "preset_provenance": model.provenance.kind}
+
+
 def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: Any
                     ) -> tuple[list[ProgramSpec], int]:
     """A trace's programs with times scaled; ``loader_options`` go to its loader."""
@@ -155,5 +164,5 @@ def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: A
     return scale_times(programs, time_scale), block_size
 
 
-__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "replay_programs",
-           "run_policies", "scale_times", "trace_span_s", "workload_feed"]
+__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "preset_record",
+           "replay_programs", "run_policies", "scale_times", "trace_span_s", "workload_feed"]

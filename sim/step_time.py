@@ -172,3 +172,13 @@ def preset(name: str) -> StepTimeModel:
         return table[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(table)}") from None
+
+
+# What a run is given to model its engines by: a named preset, or a model itself (one read
+# from a preset file, sim/preset_file.py, is used exactly as a named one).
+PresetSpec = str | StepTimeModel
+
+
+def model_of(spec: PresetSpec) -> StepTimeModel:
+    """The model ``spec`` stands for: the named preset, or ``spec`` itself."""
+    return spec if isinstance(spec, StepTimeModel) else preset(spec)

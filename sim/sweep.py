@@ -13,13 +13,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_text, parse_policy_config
+from sim.preset_file import read_preset_file
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,
-                      run_policies, workload_feed)
-from sim.step_time import DEFAULT_PRESET, presets
+                      preset_record, run_policies, workload_feed)
+from sim.step_time import DEFAULT_PRESET, StepTimeModel, presets
 
 
 class SweepConfig(BaseModel):
@@ -29,6 +30,9 @@ class SweepConfig(BaseModel):
     workload: str = "swebench"
     workers: Annotated[int, Field(gt=0)] = 8
     preset: str = DEFAULT_PRESET
+    # a preset file (sluice calibrate's, bench/gpu_profile.py's) instead of a named preset,
+    # relative to the sweep file's folder; load_sweep resolves and reads it
+    preset_file: str | None = None
     duration_s: Annotated[float, Field(gt=0)] = 1800.0
     seed: int = 7
     block_size: Annotated[int, Field(gt=0)] = DEFAULT_BLOCK_SIZE
@@ -44,6 +48,17 @@ class SweepConfig(BaseModel):
     # each engine's queue by the policy's admission priority; fcfs ignores it
     scheduling_policy: Literal["fcfs", "priority"] = DEFAULT_SCHEDULING_POLICY
     policy: dict[str, Any] = {}
+    # the preset file's model, read once by load_sweep (and carried to the worker processes)
+    _file_model: StepTimeModel | None = PrivateAttr(default=None)
+
+    @property
+    def step_time_model(self) -> StepTimeModel:
+        """The model every run uses: the preset file's, else the named preset's."""
+        if self.preset_file is None:
+            return presets()[self.preset]
+        if self._file_model is None:
+            self._file_model = read_preset_file(Path(self.preset_file))
+        return self._file_model
 
     @field_validator("workload")
     @classmethod
@@ -80,6 +95,8 @@ def load_sweep(text: str, source: str) -> tuple[SweepConfig, PolicyConfig]:
             for e in err.errors()
         )
         raise ConfigError(problems) from None
+    if sweep.preset_file is not None:
+        _read_preset_file(sweep, data, source)
     try:
         policy_config = parse_policy_config(sweep.policy, "policy")
     except ConfigError as err:
@@ -88,13 +105,26 @@ def load_sweep(text: str, source: str) -> tuple[SweepConfig, PolicyConfig]:
     return sweep, policy_config
 
 
+def _read_preset_file(sweep: SweepConfig, data: dict[str, Any], source: str) -> None:
+    """Resolve ``preset_file`` against the sweep file's folder and read it now, so a bad
+    file stops the sweep before any run; errors name the sweep file and the key."""
+    if "preset" in data:
+        raise ConfigError(f"{source}: preset_file: preset and preset_file both choose the "
+                          "step-time model; give one")
+    sweep.preset_file = str(Path(source).parent / sweep.preset_file)
+    try:
+        sweep._file_model = read_preset_file(Path(sweep.preset_file))
+    except ConfigError as err:
+        raise ConfigError(f"{source}: preset_file: {err}") from None
+
+
 def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
     sweep, policy_config, concurrency, policy = args
     is_ceiling = policy == CEILING
     [result] = run_policies(
         [] if is_ceiling else [policy],
         lambda: workload_feed(sweep.workload, concurrency, sweep.seed),
-        workers=sweep.workers, preset=sweep.preset, duration_s=sweep.duration_s,
+        workers=sweep.workers, preset=sweep.step_time_model, duration_s=sweep.duration_s,
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
         ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
         scheduling_policy=sweep.scheduling_policy,
@@ -118,18 +148,25 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
                              f"{row['output_tokens_per_s']:.0f} tok/s, hit {row['hit_rate']:.1%}\n")
             sys.stderr.flush()
     rows = with_ceiling_ratio(rows, group="concurrency")
-    config = sweep.model_dump()
+    model = sweep.step_time_model
+    config = {**sweep.model_dump(), **preset_record(model, sweep.preset_file)}
     (out / "results.json").write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
     table = format_markdown(rows, extra=("concurrency",))
     (out / "results.md").write_text(
         f"# {sweep.name}\n\nMade by `{command}`.\n\n"
-        f"Workload `{sweep.workload}`, {sweep.workers} workers, preset `{sweep.preset}`, "
+        f"Workload `{sweep.workload}`, {sweep.workers} workers, preset `{model.name}` "
+        f"({_preset_origin(model, sweep.preset_file)}), "
         f"{sweep.duration_s:.0f} s of simulated time per run, seed {sweep.seed}, "
         f"block size {sweep.block_size}, engines' scheduling policy {sweep.scheduling_policy}."
         f"\n\n{table}\n"
     )
     plot_sweep(rows, out, sweep.name)
     return out
+
+
+def _preset_origin(model: StepTimeModel, preset_file: str | None) -> str:
+    """Where the preset came from, for the table's heading: its file (if any) and its kind."""
+    return model.provenance.kind if preset_file is None else f"{preset_file}, {model.provenance.kind}"
 
 
 def plot_sweep(rows: list[dict[str, Any]], out: Path, title: str) -> None:

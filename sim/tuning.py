@@ -64,6 +64,7 @@ from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, run_policie
                       workload_feed)
 from sim.feeds import ConversationLoop, OpenLoop, ProgramFeed, group_conversations, shifted_program
 from sim.simulation import SimResult
+from sim.step_time import PresetSpec
 
 
 # -- the search space ----------------------------------------------------------------------
@@ -187,7 +188,7 @@ def default_p99_limit_s(defaults_p99_s: float, slack: float) -> float:
 class Scenario(Protocol):
     label: str
     workers: int
-    preset: str
+    preset: PresetSpec  # a named preset or a model (one read from a preset file)
     block_size: int
     scheduling_policy: str  # the engines' vLLM --scheduling-policy
 
@@ -209,7 +210,7 @@ class WorkloadScenario:
     concurrency: int
     seed: int
     workers: int
-    preset: str
+    preset: PresetSpec
     duration_s: float
     block_size: int = DEFAULT_BLOCK_SIZE
     stop_when_done: bool = False
@@ -227,7 +228,7 @@ class TraceScenario:
     label: str
     programs: tuple[ProgramSpec, ...]
     workers: int
-    preset: str
+    preset: PresetSpec
     block_size: int
     concurrency: int | None = None
     drain_s: float = 1800.0

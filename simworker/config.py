@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.engine import SCHEDULING_POLICIES
-from sim.step_time import DEFAULT_PRESET
+from sim.step_time import DEFAULT_PRESET, PresetSpec
 
 # The model length a worker serves when none is set (or its pool, if larger): Llama 3.1's
 # and Qwen3's (with YaRN) context, the models of sim/step_time.py's presets.
@@ -18,7 +18,7 @@ DEFAULT_MAX_MODEL_LEN = 131_072
 class SimWorkerConfig:
     name: str = "w0"
     model: str = "sluice-sim"
-    preset: str = DEFAULT_PRESET
+    preset: PresetSpec = DEFAULT_PRESET     # a named preset, or a model (from a preset file)
     num_blocks: int | None = None          # None: the preset's KV pool
     block_size: int = 16
     kv_events: str | None = "tcp://*:5557"  # None: no KV events

@@ -102,7 +102,7 @@ from starlette.routing import Route
 
 from sim.engine import Engine
 from sim.engine_request import EngineRequest
-from sim.step_time import preset as load_preset
+from sim.step_time import model_of
 from sim.tokens import (
     FILLER_WORDS,
     PromptError,
@@ -166,7 +166,7 @@ class SimWorker:
 
     def __init__(self, config: SimWorkerConfig) -> None:
         self.config = config
-        model = load_preset(config.preset)
+        model = model_of(config.preset)
         if config.prefill_scale != 1.0:
             model = dataclasses.replace(model, prefill_token_s=model.prefill_token_s * config.prefill_scale)
         if config.max_num_seqs is not None:
@@ -213,7 +213,8 @@ class SimWorker:
                 raise
         self.driver.start_clock()
         engine = self.engine
-        self._log.info("simworker ready", model=self.config.model, preset=self.config.preset,
+        self._log.info("simworker ready", model=self.config.model, preset=self.engine.model.name,
+                       preset_provenance=self.engine.model.provenance.kind,
                        num_gpu_blocks=engine.pool.num_blocks, block_size=engine.block_size,
                        capacity_tokens=engine.capacity_tokens, time_scale=self.config.time_scale,
                        kv_events=self.kv_endpoint, replay=self.replay_endpoint,
