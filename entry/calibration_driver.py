@@ -69,7 +69,8 @@ class Grid:
     name: str
     max_prompt_tokens: int
     cold_fractions: tuple[float, ...]
-    cold_repeats: int
+    # times each prefill point is measured; the shortest TTFT is kept (delays only add)
+    ttft_repeats: int
     # (prefix, new tokens) as fractions of the longest prompt
     cached: tuple[tuple[float, tuple[float, ...]], ...]
     decode_seqs: tuple[int, ...]
@@ -78,10 +79,10 @@ class Grid:
 
 
 GRIDS = {
-    "full": Grid("full", 4096, (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), 2,
+    "full": Grid("full", 4096, (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), 3,
                  ((1 / 4, (1 / 32, 1 / 8)), (1 / 2, (1 / 32, 1 / 8))),
                  (1, 4, 16, 32), (1 / 8, 1 / 2), 48),
-    "short": Grid("short", 1024, (1 / 16, 1 / 4, 1 / 2, 1.0), 2,
+    "short": Grid("short", 1024, (1 / 16, 1 / 4, 1 / 2, 1.0), 3,
                   ((1 / 2, (1 / 16, 1 / 4)),),
                   (1, 4, 8, 16), (1 / 8, 1 / 2), 32),
 }
@@ -318,11 +319,12 @@ class Plan:
     cached: list[tuple[int, list[int]]]
     decode: list[tuple[int, int]]  # (streams, prefix tokens)
     skipped: list[str]
+    ttft_repeats: int
 
     @property
     def requests(self) -> int:
-        return (len(self.cold) + sum(1 + len(new) for _, new in self.cached)
-                + sum(1 + seqs for seqs, _ in self.decode))
+        return (self.ttft_repeats * (len(self.cold) + sum(len(new) for _, new in self.cached))
+                + len(self.cached) + sum(1 + seqs for seqs, _ in self.decode))
 
 
 def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
@@ -335,7 +337,7 @@ def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens
     if longest < 64:
         raise CalibrationError(f"the worker takes prompts of at most {longest} tokens here; calibration "
                                "needs at least 64")
-    cold = [max(16, round(longest * f)) for f in grid.cold_fractions for _ in range(grid.cold_repeats)]
+    cold = [max(16, round(longest * f)) for f in grid.cold_fractions]
     cached = [(round(longest * prefix), [max(8, round(longest * n)) for n in new
                                          if (prefix + n) * longest <= longest])
               for prefix, new in grid.cached]
@@ -355,7 +357,7 @@ def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens
             decode.append((seqs, context))
     if not decode:
         raise CalibrationError("no decode batch fits the worker's KV pool: " + "; ".join(skipped))
-    return Plan(longest, cold, [(p, n) for p, n in cached if n], decode, skipped)
+    return Plan(longest, cold, [(p, n) for p, n in cached if n], decode, skipped, grid.ttft_repeats)
 
 
 async def measure(worker: Worker, the_plan: Plan, grid: Grid, time_scale: float,
@@ -367,45 +369,55 @@ async def measure(worker: Worker, the_plan: Plan, grid: Grid, time_scale: float,
     done = itertools.count(1)
     total = the_plan.requests
 
-    def note(what: str, seconds: float) -> None:
+    def note(what: str, seconds: float, requests: int = 1) -> None:
+        for _ in range(requests - 1):
+            next(done)
         progress(f"[{next(done)}/{total}] {what}: {seconds * 1e3:.2f} ms")
 
+    repeats = the_plan.ttft_repeats
     for length in the_plan.cold:
-        sample = await _cold(worker, prompts.fresh(length), time_scale, "cold prefill")
+        tries = [await _cold(worker, prompts.fresh(length), time_scale, "cold prefill") for _ in range(repeats)]
+        sample = min(tries, key=lambda m: m.sample.seconds)
         measured.append(sample)
-        note(f"cold prefill of {sample.sample.prefill_tokens} tokens", sample.sample.seconds)
+        note(f"cold prefill of {sample.sample.prefill_tokens} tokens (least of {repeats})",
+             sample.sample.seconds, repeats)
 
     for prefix_tokens, news in the_plan.cached:
         prefix = prompts.fresh(prefix_tokens)
+        # the prefix is sent once to be cached; its TTFT, a single try, is not a sample
         warm = await _cold(worker, prefix, time_scale, "cached prefill (its prefix)")
-        measured.append(warm)
-        note(f"cold prefill of {warm.sample.prefill_tokens} tokens (a prefix)", warm.sample.seconds)
+        note(f"prefix of {warm.sample.prefill_tokens} tokens sent", warm.sample.seconds)
         for new in news:
             what = f"cached prefill ({prefix_tokens} + {new} tokens)"
-            result = await worker.complete(prompts.extend(prefix, new), 1, what)
-            if not result.cached_tokens:
-                raise CalibrationError(f"{what}: the worker reports no cached prompt tokens after the prefix "
-                                       "was sent (prefix caching off, or usage without prompt_tokens_details: "
-                                       "vLLM needs --enable-prefix-caching and --enable-prompt-tokens-details)")
-            sample = _ttft_sample(result, time_scale, what, "cached prefill")
+            # a nonce after the prefix: each try's new tokens are new, only the prefix is cached
+            tries = [await _cached(worker, prompts.extend(f"{prefix} {prompts.nonce()}", new), time_scale, what)
+                     for _ in range(repeats)]
+            sample = min(tries, key=lambda m: m.sample.seconds)
             measured.append(sample)
-            note(f"prefill of {sample.sample.prefill_tokens} tokens behind {result.cached_tokens} cached",
-                 sample.sample.seconds)
+            cached = sample.sample.context_tokens - sample.sample.prefill_tokens
+            note(f"prefill of {sample.sample.prefill_tokens} tokens behind {cached} cached (least of {repeats})",
+                 sample.sample.seconds, repeats)
 
     for seqs, context in the_plan.decode:
         prefix = prompts.fresh(context)
-        warm = await _cold(worker, prefix, time_scale, "decode batch (its prefix)")
+        await _cold(worker, prefix, time_scale, "decode batch (its prefix)")
         next(done)
         tails = [prompts.extend(f"{prefix} {prompts.nonce()}", _TAIL_TOKENS // 2) for _ in range(seqs)]
         what = f"decode batch of {seqs} over {context} tokens"
         results = await asyncio.gather(*(worker.complete(tail, grid.decode_tokens, what) for tail in tails))
         sample = _decode_sample(results, time_scale, what)
-        measured.append(warm)
         measured.append(sample)
-        for _ in range(seqs - 1):
-            next(done)
-        note(f"{what}: mean step over {sample.sample.context_tokens} context tokens", sample.sample.seconds)
+        note(f"{what}: mean step over {sample.sample.context_tokens} context tokens", sample.sample.seconds, seqs)
     return measured
+
+
+async def _cached(worker: Worker, prompt: str, time_scale: float, what: str) -> Measured:
+    result = await worker.complete(prompt, 1, what)
+    if not result.cached_tokens:
+        raise CalibrationError(f"{what}: the worker reports no cached prompt tokens after the prefix "
+                               "was sent (prefix caching off, or usage without prompt_tokens_details: "
+                               "vLLM needs --enable-prefix-caching and --enable-prompt-tokens-details)")
+    return _ttft_sample(result, time_scale, what, "cached prefill")
 
 
 async def _cold(worker: Worker, prompt: str, time_scale: float, what: str) -> Measured:
