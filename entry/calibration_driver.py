@@ -69,8 +69,8 @@ class Grid:
     name: str
     max_prompt_tokens: int
     cold_fractions: tuple[float, ...]
-    # times each prefill point is measured; the shortest TTFT is kept (delays only add)
-    ttft_repeats: int
+    # times each point is measured; the shortest time is kept (interference only adds)
+    repeats: int
     # (prefix, new tokens) as fractions of the longest prompt
     cached: tuple[tuple[float, tuple[float, ...]], ...]
     decode_seqs: tuple[int, ...]
@@ -82,7 +82,7 @@ GRIDS = {
     "full": Grid("full", 4096, (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), 3,
                  ((1 / 4, (1 / 32, 1 / 8)), (1 / 2, (1 / 32, 1 / 8))),
                  (1, 4, 16, 32), (1 / 8, 1 / 2), 48),
-    "short": Grid("short", 1024, (1 / 16, 1 / 4, 1 / 2, 1.0), 3,
+    "short": Grid("short", 1024, (1 / 16, 1 / 4, 1 / 2, 1.0), 5,
                   ((1 / 2, (1 / 16, 1 / 4)),),
                   (1, 4, 8, 16), (1 / 8, 1 / 2), 32),
 }
@@ -319,12 +319,12 @@ class Plan:
     cached: list[tuple[int, list[int]]]
     decode: list[tuple[int, int]]  # (streams, prefix tokens)
     skipped: list[str]
-    ttft_repeats: int
+    repeats: int
 
     @property
     def requests(self) -> int:
-        return (self.ttft_repeats * (len(self.cold) + sum(len(new) for _, new in self.cached))
-                + len(self.cached) + sum(1 + seqs for seqs, _ in self.decode))
+        return self.repeats * (len(self.cold) + sum(1 + len(new) for _, new in self.cached)
+                               + sum(1 + seqs for seqs, _ in self.decode))
 
 
 def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
@@ -357,58 +357,60 @@ def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens
             decode.append((seqs, context))
     if not decode:
         raise CalibrationError("no decode batch fits the worker's KV pool: " + "; ".join(skipped))
-    return Plan(longest, cold, [(p, n) for p, n in cached if n], decode, skipped, grid.ttft_repeats)
+    return Plan(longest, cold, [(p, n) for p, n in cached if n], decode, skipped, grid.repeats)
 
 
 async def measure(worker: Worker, the_plan: Plan, grid: Grid, time_scale: float,
                   progress: Progress) -> list[Measured]:
-    """Send the plan's requests one kind after another; each request's step(s) as measured."""
+    """Send the plan's requests in ``repeats`` passes over the whole grid and keep, for each
+    point, its shortest time. Passes rather than back-to-back tries: a worker slowed for a
+    while (on a small CPU host the engine's busy-polling processes share cores with the API
+    server and this client) then slows one try of many points, not every try of one."""
     prompts = Prompts()
     await prompts.probe(worker, progress)
-    measured: list[Measured] = []
     done = itertools.count(1)
     total = the_plan.requests
+    repeats = the_plan.repeats
+    tries: dict[tuple[int, ...], list[Measured]] = {}
+    # each prefix's text is the same in every pass, so it is cached once sent
+    cached_prefixes = {tokens: prompts.fresh(tokens) for tokens, _ in the_plan.cached}
+    decode_prefixes = {context: prompts.fresh(context) for _, context in the_plan.decode}
 
-    def note(what: str, seconds: float, requests: int = 1) -> None:
+    def keep(key: tuple[int, ...], sample: Measured, what: str, requests: int = 1) -> None:
+        tries.setdefault(key, []).append(sample)
         for _ in range(requests - 1):
             next(done)
-        progress(f"[{next(done)}/{total}] {what}: {seconds * 1e3:.2f} ms")
+        progress(f"[{next(done)}/{total}] pass {attempt + 1}/{repeats}: {what}: {sample.sample.seconds * 1e3:.2f} ms")
 
-    repeats = the_plan.ttft_repeats
-    for length in the_plan.cold:
-        tries = [await _cold(worker, prompts.fresh(length), time_scale, "cold prefill") for _ in range(repeats)]
-        sample = min(tries, key=lambda m: m.sample.seconds)
-        measured.append(sample)
-        note(f"cold prefill of {sample.sample.prefill_tokens} tokens (least of {repeats})",
-             sample.sample.seconds, repeats)
+    for attempt in range(repeats):
+        for index, length in enumerate(the_plan.cold):
+            sample = await _cold(worker, prompts.fresh(length), time_scale, "cold prefill")
+            keep((0, index), sample, f"cold prefill of {sample.sample.prefill_tokens} tokens")
 
-    for prefix_tokens, news in the_plan.cached:
-        prefix = prompts.fresh(prefix_tokens)
-        # the prefix is sent once to be cached; its TTFT, a single try, is not a sample
-        warm = await _cold(worker, prefix, time_scale, "cached prefill (its prefix)")
-        note(f"prefix of {warm.sample.prefill_tokens} tokens sent", warm.sample.seconds)
-        for new in news:
-            what = f"cached prefill ({prefix_tokens} + {new} tokens)"
-            # a nonce after the prefix: each try's new tokens are new, only the prefix is cached
-            tries = [await _cached(worker, prompts.extend(f"{prefix} {prompts.nonce()}", new), time_scale, what)
-                     for _ in range(repeats)]
-            sample = min(tries, key=lambda m: m.sample.seconds)
-            measured.append(sample)
-            cached = sample.sample.context_tokens - sample.sample.prefill_tokens
-            note(f"prefill of {sample.sample.prefill_tokens} tokens behind {cached} cached (least of {repeats})",
-                 sample.sample.seconds, repeats)
+        for prefix_tokens, news in the_plan.cached:
+            prefix = cached_prefixes[prefix_tokens]
+            # sent again in every pass: a small pool may have evicted it since; not a sample
+            await worker.complete(prefix, 1, f"cached prefill (its prefix of {prefix_tokens} tokens)")
+            next(done)
+            for new in news:
+                what = f"cached prefill ({prefix_tokens} + {new} tokens)"
+                # a nonce after the prefix: each try's new tokens are new, only the prefix is cached
+                sample = await _cached(worker, prompts.extend(f"{prefix} {prompts.nonce()}", new), time_scale, what)
+                cached = sample.sample.context_tokens - sample.sample.prefill_tokens
+                keep((1, prefix_tokens, new), sample,
+                     f"prefill of {sample.sample.prefill_tokens} tokens behind {cached} cached")
 
-    for seqs, context in the_plan.decode:
-        prefix = prompts.fresh(context)
-        await _cold(worker, prefix, time_scale, "decode batch (its prefix)")
-        next(done)
-        tails = [prompts.extend(f"{prefix} {prompts.nonce()}", _TAIL_TOKENS // 2) for _ in range(seqs)]
-        what = f"decode batch of {seqs} over {context} tokens"
-        results = await asyncio.gather(*(worker.complete(tail, grid.decode_tokens, what) for tail in tails))
-        sample = _decode_sample(results, time_scale, what)
-        measured.append(sample)
-        note(f"{what}: mean step over {sample.sample.context_tokens} context tokens", sample.sample.seconds, seqs)
-    return measured
+        for seqs, context in the_plan.decode:
+            prefix = decode_prefixes[context]
+            await worker.complete(prefix, 1, f"decode batch (its prefix of {context} tokens)")
+            next(done)
+            what = f"decode batch of {seqs} over {context} tokens"
+            tails = [prompts.extend(f"{prefix} {prompts.nonce()}", _TAIL_TOKENS // 2) for _ in range(seqs)]
+            results = await asyncio.gather(*(worker.complete(tail, grid.decode_tokens, what) for tail in tails))
+            sample = _decode_sample(results, time_scale, what)
+            keep((2, seqs, context), sample, f"{what}: mean step over {sample.sample.context_tokens} context tokens",
+                 seqs)
+    return [min(samples, key=lambda m: m.sample.seconds) for samples in tries.values()]
 
 
 async def _cached(worker: Worker, prompt: str, time_scale: float, what: str) -> Measured:
