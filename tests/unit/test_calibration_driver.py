@@ -15,6 +15,7 @@ from entry.calibration_driver import (
     _decode_sample,
     fit_with_round_trip,
     plan,
+    prefill_attention_check,
 )
 from sim.calibration import StepSample
 from sim.step_time import preset
@@ -83,3 +84,14 @@ def test_the_grid_fits_a_small_worker() -> None:
     assert (16, 480) not in the_plan.decode and any("16 × 480" in note for note in the_plan.skipped)
     # a prompt longer than the batched-token budget would be prefilled in chunks: the grid stays below
     assert plan(grid, info, max_num_seqs=128, max_num_batched_tokens=256).longest == 256
+
+
+def test_the_prefill_attention_check_finds_attention_the_model_leaves_out() -> None:
+    pair_s = 5e-8  # seconds per (new token, context token) pair, as vLLM CPU's tiny model shows
+    shapes = [(p, 1, p) for p in (64, 256, 512, 960)] + [(80, 1, 560), (260, 1, 740)] + \
+             [(0, s, s * c) for s in (1, 4, 8) for c in (160, 520)]
+    steps = [StepSample(p, s, c, TRUTH.step_s(p, s, c) + pair_s * p * (c - p / 2)) for p, s, c in shapes]
+    r_squared, found = prefill_attention_check(steps)
+    assert found == pytest.approx(pair_s, rel=1e-6) and r_squared == pytest.approx(1.0)
+    plain = [StepSample(p, s, c, TRUTH.step_s(p, s, c)) for p, s, c in shapes]
+    assert prefill_attention_check(plain)[1] == pytest.approx(0.0, abs=1e-15)
