@@ -3,10 +3,10 @@ dummy-weight model, 64 blocks of 32 tokens, max_model_len 1024): the engine mode
 coefficients must explain most of vLLM's measured step time, and the preset must carry the
 worker's KV pool as /metrics reports it.
 
-The bar is R² ≥ 0.90, not the issue's 0.95: over 8 runs the fit reached 0.92–0.99 (median
-about 0.96). What it misses is prefill attention, which this model (hidden 256, two layers)
-spends as much time on as on everything else at 960-token prompts and which the step model
-prices by C alone; with a P·(C − P/2) term the same measurements fit at 0.99–0.997
+The bar is R² ≥ 0.90, not the issue's 0.95: over 17 runs the fit reached 0.92–0.99 (median
+0.96, 7 runs below 0.95). What it misses is prefill attention, which this model (hidden 256,
+two layers) spends about as long on as on its matmuls at 960-token prompts and which the step
+model prices by C alone; with a P·(C − P/2) term the same measurements fit at 0.987–0.997
 (docs/design-notes.md, "Calibration")."""
 
 from __future__ import annotations
