@@ -8,7 +8,7 @@ isolate a kind of step, sent to an otherwise idle worker:
 - *cold prefill*: a prompt of ``p`` tokens nobody sent before (a fresh nonce opens it, so no
   block of it is cached), ``max_tokens`` 1, alone. Its one step computes the whole prompt:
   ``P = p, S = 1, C = p``; the time to first token (TTFT) is that step.
-- *cached prefill*: a prefix is sent first (cold), then the prefix plus ``n`` new tokens. The
+- *cached prefill*: a prefix is sent first, then the prefix, a nonce and ``n`` new tokens. The
   worker reports how many prompt tokens it found cached (``h``), so the step is
   ``P = p − h, S = 1, C = p``: attention over the whole context, compute for the new part.
 - *decode*: a prefix of ``c`` tokens is cached, then ``S`` streams (the prefix plus a short
@@ -22,6 +22,9 @@ A TTFT also holds the request's round trip (HTTP, tokenizing, detokenizing), whi
 inter-token time does not. That is fitted as a fifth, non-negative term present only in the
 TTFT samples and removed from them before the step-time fit (``fit_with_round_trip``); the
 decode steps pin ``base_s`` down, so the two are told apart.
+
+Every point is measured in several passes over the whole grid and its shortest time kept
+(``measure``): interference from other processes only ever adds time.
 
 Token counts come from the worker (``usage``), never from a tokenizer here: two probes
 measure how many tokens a filler word takes, prompts are built to the grid's lengths from
