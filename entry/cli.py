@@ -200,6 +200,8 @@ def _register_simulator_commands() -> None:
     from entry.sim_commands import register
 
     register(app)
+    from entry.calibrate_command import calibrate
+    app.command("calibrate")(calibrate)
 
 
 _register_simulator_commands()

@@ -1,0 +1,603 @@
+"""What ``sluice calibrate`` does to a running worker: drive it with a designed set of requests,
+turn what its streams show into steps of the engine model, and fit the step time.
+
+The engine model (sim/step_time.py) prices one iteration as
+``base_s + prefill_token_s·P + seq_s·S + context_token_s·C``. Three kinds of request each
+isolate a kind of step, sent to an otherwise idle worker:
+
+- *cold prefill*: a prompt of ``p`` tokens nobody sent before (a fresh nonce opens it, so no
+  block of it is cached), ``max_tokens`` 1, alone. Its one step computes the whole prompt:
+  ``P = p, S = 1, C = p``; the time to first token (TTFT) is that step.
+- *cached prefill*: a prefix is sent first, then the prefix, a nonce and ``n`` new tokens. The
+  worker reports how many prompt tokens it found cached (``h``), so the step is
+  ``P = p − h, S = 1, C = p``: attention over the whole context, compute for the new part.
+- *decode*: a prefix of ``c`` tokens is cached, then ``S`` streams (the prefix plus a short
+  tail of their own, so their prefills are cheap) decode together. Once every stream has its
+  first token and none has finished, each step is ``P = 0``, ``S`` sequences, and a context
+  growing by ``S`` tokens a step; the mean step over that window is the time between two
+  token counts of a stream divided by the tokens between them (``continuous_usage_stats``
+  gives the exact count on every chunk, so tokens the worker sends in bursts count right).
+
+A TTFT also holds the request's round trip (HTTP, tokenizing, detokenizing), which an
+inter-token time does not. That is fitted as a fifth, non-negative term present only in the
+TTFT samples and removed from them before the step-time fit (``fit_with_round_trip``); the
+decode steps pin ``base_s`` down, so the two are told apart.
+
+Every point is measured in several passes over the whole grid and its shortest time kept
+(``measure``): interference from other processes only ever adds time.
+
+Token counts come from the worker (``usage``), never from a tokenizer here: two probes
+measure how many tokens a filler word takes, prompts are built to the grid's lengths from
+that, and every sample uses the counts the worker reports for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from sim.calibration import (
+    COEFFICIENTS,
+    FitError,
+    StepSample,
+    StepTimeFit,
+    fit_step_time,
+)
+
+# Common English words that every byte-level BPE splits predictably (most into one token);
+# the exact count per word is measured, not assumed.
+_FILLER = ("cache block token prompt prefix model request response worker batch sequence queue "
+           "the a of to in and for with on at by from as is it this that which").split()
+
+
+class CalibrationError(RuntimeError):
+    """The worker failed, refused, or answered something calibration cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The requests one calibration sends; lengths are fractions of the longest prompt the
+    worker takes (capped at ``max_prompt_tokens``)."""
+
+    name: str
+    max_prompt_tokens: int
+    cold_fractions: tuple[float, ...]
+    # times each point is measured; the shortest time is kept (interference only adds)
+    repeats: int
+    # (prefix, new tokens) as fractions of the longest prompt
+    cached: tuple[tuple[float, tuple[float, ...]], ...]
+    decode_seqs: tuple[int, ...]
+    decode_context_fractions: tuple[float, ...]
+    decode_tokens: int
+
+
+GRIDS = {
+    "full": Grid("full", 4096, (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), 3,
+                 ((1 / 4, (1 / 32, 1 / 8)), (1 / 2, (1 / 32, 1 / 8))),
+                 (1, 4, 16, 32), (1 / 8, 1 / 2), 48),
+    "short": Grid("short", 1024, (1 / 16, 1 / 4, 1 / 2, 1.0), 5,
+                  ((1 / 2, (1 / 16, 1 / 4)),),
+                  (1, 4, 8, 16), (1 / 8, 1 / 2), 32),
+}
+
+# Tokens a decode stream adds after the shared prefix (its own nonce and a few words).
+_TAIL_TOKENS = 16
+# Share of the KV pool a decode batch may take: the rest absorbs tokenizer surprises.
+_POOL_SHARE = 0.85
+# Steps a decode window needs at the least for its mean to mean something.
+_MIN_WINDOW_STEPS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    url: str
+    model: str
+    owned_by: str
+    max_model_len: int | None
+    num_gpu_blocks: int
+    block_size: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        # vLLM's num_gpu_blocks counts the null block (block 0), which holds no tokens
+        return (self.num_gpu_blocks - 1) * self.block_size
+
+    def describe(self) -> str:
+        length = f", max_model_len {self.max_model_len}" if self.max_model_len else ""
+        return (f"{self.url}, model {self.model} (owned by {self.owned_by}{length}), "
+                f"{self.num_gpu_blocks} KV blocks of {self.block_size} tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """A step as measured; ``round_trip`` when the time is a TTFT (holds the request's
+    round trip) rather than a time between tokens."""
+
+    sample: StepSample
+    round_trip: bool
+
+
+@dataclass(slots=True)
+class StreamResult:
+    sent_at: float
+    first_token_at: float | None = None
+    # (arrival, tokens generated so far) for every chunk that carried tokens
+    points: list[tuple[float, int]] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+Progress = Callable[[str], None]
+
+
+def _fail_http(err: httpx.HTTPError, url: str) -> CalibrationError:
+    if isinstance(err, httpx.ConnectError):
+        return CalibrationError(f"cannot reach the worker at {url}: {err}")
+    if isinstance(err, httpx.TimeoutException):
+        return CalibrationError(f"the worker at {url} did not answer in time ({type(err).__name__})")
+    return CalibrationError(f"talking to the worker at {url} failed: {type(err).__name__}: {err}")
+
+
+async def read_worker_info(client: httpx.AsyncClient, url: str, model: str | None) -> WorkerInfo:
+    """The served model (``/v1/models``) and the KV pool (``/metrics``'s cache_config_info)."""
+    try:
+        models = await client.get(f"{url}/v1/models")
+        metrics = await client.get(f"{url}/metrics")
+    except httpx.HTTPError as err:
+        raise _fail_http(err, url) from None
+    if models.status_code != 200:
+        raise CalibrationError(f"{url}/v1/models answered {models.status_code}: {models.text[:300]}")
+    try:
+        cards = models.json()["data"]
+        served = {card["id"]: card for card in cards}
+    except (ValueError, KeyError, TypeError):
+        raise CalibrationError(f"{url}/v1/models is not an OpenAI model list: {models.text[:300]}") from None
+    if not served:
+        raise CalibrationError(f"{url}/v1/models lists no model")
+    if model is None:
+        model = next(iter(served))
+    elif model not in served:
+        raise CalibrationError(f"the worker serves {', '.join(served)}, not {model!r}")
+    card = served[model]
+    if metrics.status_code != 200:
+        raise CalibrationError(f"{url}/metrics answered {metrics.status_code}; the KV pool's size "
+                               "comes from vLLM's vllm:cache_config_info there")
+    blocks, block_size = _cache_config(metrics.text, url)
+    max_len = card.get("max_model_len")
+    return WorkerInfo(url, model, str(card.get("owned_by", "unknown")),
+                      max_len if isinstance(max_len, int) and max_len > 0 else None, blocks, block_size)
+
+
+def _cache_config(text: str, url: str) -> tuple[int, int]:
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != "vllm:cache_config_info":
+                continue
+            for sample in family.samples:
+                labels = sample.labels
+                blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+                if blocks < 2 or size < 1:
+                    raise CalibrationError(f"{url}/metrics reports {blocks} KV blocks of {size} tokens")
+                return blocks, size
+    except (ValueError, KeyError) as err:
+        raise CalibrationError(f"{url}/metrics: cannot read vllm:cache_config_info ({err})") from None
+    raise CalibrationError(f"{url}/metrics has no vllm:cache_config_info (num_gpu_blocks, block_size): "
+                           "is this a vLLM-compatible worker?")
+
+
+class Worker:
+    """Completions on one worker, streamed, with the checks that catch a worker answering
+    nonsense."""
+
+    def __init__(self, client: httpx.AsyncClient, info: WorkerInfo) -> None:
+        self.client = client
+        self.info = info
+
+    async def complete(self, prompt: str, max_tokens: int, what: str) -> StreamResult:
+        body = {"model": self.info.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                "temperature": 0.0, "ignore_eos": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        url = self.info.url
+        result = StreamResult(sent_at=time.monotonic())
+        try:
+            async with self.client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    raise CalibrationError(f"{what}: the worker answered {response.status_code}: {text[:300]}")
+                async for line in response.aiter_lines():
+                    arrived = time.monotonic()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    self._chunk(result, data, arrived, what)
+        except httpx.HTTPError as err:
+            raise _fail_http(err, url) from None
+        self._check(result, max_tokens, what)
+        return result
+
+    @staticmethod
+    def _chunk(result: StreamResult, data: str, arrived: float, what: str) -> None:
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise CalibrationError(f"{what}: the stream carried something that is not JSON: {data[:200]}") from None
+        if not isinstance(chunk, dict):
+            raise CalibrationError(f"{what}: a stream chunk is not an object: {data[:200]}")
+        if "error" in chunk:
+            raise CalibrationError(f"{what}: the worker failed mid-stream: {json.dumps(chunk['error'])[:300]}")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+            result.completion_tokens = usage.get("completion_tokens", result.completion_tokens)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                result.cached_tokens = details["cached_tokens"]
+        if chunk.get("choices"):
+            if result.first_token_at is None:
+                result.first_token_at = arrived
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                result.points.append((arrived, usage["completion_tokens"]))
+
+    @staticmethod
+    def _check(result: StreamResult, max_tokens: int, what: str) -> None:
+        if result.prompt_tokens is None or result.completion_tokens is None:
+            raise CalibrationError(f"{what}: the stream reported no usage (prompt_tokens, completion_tokens); "
+                                   "calibration needs stream_options.include_usage")
+        if not isinstance(result.prompt_tokens, int) or result.prompt_tokens < 1:
+            raise CalibrationError(f"{what}: the worker reported {result.prompt_tokens!r} prompt tokens")
+        if result.first_token_at is None:
+            raise CalibrationError(f"{what}: the stream carried no token")
+        if result.completion_tokens < max_tokens:
+            raise CalibrationError(f"{what}: asked for {max_tokens} tokens (ignore_eos), got "
+                                   f"{result.completion_tokens}")
+        counts = [n for _, n in result.points]
+        if any(b < a for a, b in itertools.pairwise(counts)):
+            raise CalibrationError(f"{what}: the token counts the stream reported went backwards: {counts[:20]}")
+        if max_tokens > 1 and len(result.points) < 2:
+            raise CalibrationError(f"{what}: the stream reported no running token counts "
+                                   "(stream_options.continuous_usage_stats)")
+
+
+class Prompts:
+    """Prompts of a wanted length in tokens, none sharing a cached block with another unless
+    built on the same prefix."""
+
+    def __init__(self) -> None:
+        self._run = secrets.token_hex(4)
+        self._count = itertools.count()
+        self.intercept = 0.0
+        self.tokens_per_word = 1.0
+
+    def nonce(self) -> str:
+        # first in the prompt: the first block differs from every other prompt's
+        return f"calibration {self._run} prompt {next(self._count)}:"
+
+    @staticmethod
+    def words(count: int, offset: int = 0) -> str:
+        return " ".join(_FILLER[(offset + i) % len(_FILLER)] for i in range(max(0, count)))
+
+    def words_for(self, tokens: float) -> int:
+        return max(1, round(tokens / self.tokens_per_word))
+
+    def fresh(self, tokens: int) -> str:
+        return f"{self.nonce()} {self.words(self.words_for(tokens - self.intercept))}"
+
+    def extend(self, prefix: str, tokens: int) -> str:
+        return f"{prefix} {self.words(self.words_for(tokens), offset=7)}"
+
+    async def probe(self, worker: Worker, progress: Progress) -> None:
+        """Two prompts of different lengths: tokens per filler word and the nonce's share."""
+        short, long = 32, 256
+        first = await worker.complete(f"{self.nonce()} {self.words(short)}", 1, "probe")
+        second = await worker.complete(f"{self.nonce()} {self.words(long)}", 1, "probe")
+        assert first.prompt_tokens is not None and second.prompt_tokens is not None
+        slope = (second.prompt_tokens - first.prompt_tokens) / (long - short)
+        if not slope > 0:
+            raise CalibrationError(f"a prompt of {long} words counted {second.prompt_tokens} tokens, one of "
+                                   f"{short} words {first.prompt_tokens}: the worker's token counts are nonsense")
+        self.tokens_per_word = slope
+        self.intercept = first.prompt_tokens - slope * short
+        progress(f"probe: {slope:.2f} tokens per filler word, {self.intercept:.0f} tokens of nonce and template")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The grid made concrete for one worker."""
+
+    longest: int
+    cold: list[int]
+    cached: list[tuple[int, list[int]]]
+    decode: list[tuple[int, int]]  # (streams, prefix tokens)
+    skipped: list[str]
+    repeats: int
+
+    @property
+    def requests(self) -> int:
+        return self.repeats * (len(self.cold) + sum(1 + len(new) for _, new in self.cached)
+                               + sum(1 + seqs for seqs, _ in self.decode))
+
+
+def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
+    """Lengths that fit the worker: a prompt and its reply within max_model_len, a prefill in
+    one step (within the batched-token budget, so no chunking), a decode batch in the pool."""
+    limits = [grid.max_prompt_tokens, max_num_batched_tokens, info.kv_capacity_tokens // 2]
+    if info.max_model_len is not None:
+        limits.append(info.max_model_len - grid.decode_tokens - 2 * _TAIL_TOKENS)
+    longest = min(limits)
+    if longest < 64:
+        raise CalibrationError(f"the worker takes prompts of at most {longest} tokens here; calibration "
+                               "needs at least 64")
+    cold = [max(16, round(longest * f)) for f in grid.cold_fractions]
+    cached = [(round(longest * prefix), [max(8, round(longest * n)) for n in new
+                                         if (prefix + n) * longest <= longest])
+              for prefix, new in grid.cached]
+    decode: list[tuple[int, int]] = []
+    skipped: list[str] = []
+    bs = info.block_size
+    pool_blocks = int((info.num_gpu_blocks - 1) * _POOL_SHARE)
+    for fraction in grid.decode_context_fractions:
+        context = max(16, round(longest * fraction))
+        for seqs in grid.decode_seqs:
+            per_stream = math.ceil((2 * _TAIL_TOKENS + grid.decode_tokens) / bs) + 1
+            blocks = math.ceil(context / bs) + seqs * per_stream
+            if seqs > max_num_seqs or blocks > pool_blocks:
+                skipped.append(f"decode {seqs} × {context} tokens (needs {blocks} KV blocks of "
+                               f"{pool_blocks} usable, or more than {max_num_seqs} sequences)")
+                continue
+            decode.append((seqs, context))
+    if not decode:
+        raise CalibrationError("no decode batch fits the worker's KV pool: " + "; ".join(skipped))
+    return Plan(longest, cold, [(p, n) for p, n in cached if n], decode, skipped, grid.repeats)
+
+
+async def measure(worker: Worker, the_plan: Plan, grid: Grid, time_scale: float,
+                  progress: Progress) -> list[Measured]:
+    """Send the plan's requests in ``repeats`` passes over the whole grid and keep, for each
+    point, its shortest time. Passes rather than back-to-back tries: a worker slowed for a
+    while (on a small CPU host the engine's busy-polling processes share cores with the API
+    server and this client) then slows one try of many points, not every try of one."""
+    prompts = Prompts()
+    await prompts.probe(worker, progress)
+    done = itertools.count(1)
+    total = the_plan.requests
+    repeats = the_plan.repeats
+    tries: dict[tuple[int, ...], list[Measured]] = {}
+    # each prefix's text is the same in every pass, so it is cached once sent
+    cached_prefixes = {tokens: prompts.fresh(tokens) for tokens, _ in the_plan.cached}
+    decode_prefixes = {context: prompts.fresh(context) for _, context in the_plan.decode}
+
+    def keep(key: tuple[int, ...], sample: Measured, what: str, requests: int = 1) -> None:
+        tries.setdefault(key, []).append(sample)
+        for _ in range(requests - 1):
+            next(done)
+        progress(f"[{next(done)}/{total}] pass {attempt + 1}/{repeats}: {what}: {sample.sample.seconds * 1e3:.2f} ms")
+
+    for attempt in range(repeats):
+        for index, length in enumerate(the_plan.cold):
+            sample = await _cold(worker, prompts.fresh(length), time_scale, "cold prefill")
+            keep((0, index), sample, f"cold prefill of {sample.sample.prefill_tokens} tokens")
+
+        for prefix_tokens, news in the_plan.cached:
+            prefix = cached_prefixes[prefix_tokens]
+            # sent again in every pass: a small pool may have evicted it since; not a sample
+            await worker.complete(prefix, 1, f"cached prefill (its prefix of {prefix_tokens} tokens)")
+            next(done)
+            for new in news:
+                what = f"cached prefill ({prefix_tokens} + {new} tokens)"
+                # a nonce after the prefix: each try's new tokens are new, only the prefix is cached
+                sample = await _cached(worker, prompts.extend(f"{prefix} {prompts.nonce()}", new), time_scale, what)
+                cached = sample.sample.context_tokens - sample.sample.prefill_tokens
+                keep((1, prefix_tokens, new), sample,
+                     f"prefill of {sample.sample.prefill_tokens} tokens behind {cached} cached")
+
+        for seqs, context in the_plan.decode:
+            prefix = decode_prefixes[context]
+            await worker.complete(prefix, 1, f"decode batch (its prefix of {context} tokens)")
+            next(done)
+            what = f"decode batch of {seqs} over {context} tokens"
+            tails = [prompts.extend(f"{prefix} {prompts.nonce()}", _TAIL_TOKENS // 2) for _ in range(seqs)]
+            results = await asyncio.gather(*(worker.complete(tail, grid.decode_tokens, what) for tail in tails))
+            sample = _decode_sample(results, time_scale, what)
+            keep((2, seqs, context), sample, f"{what}: mean step over {sample.sample.context_tokens} context tokens",
+                 seqs)
+    return [min(samples, key=lambda m: m.sample.seconds) for samples in tries.values()]
+
+
+async def _cached(worker: Worker, prompt: str, time_scale: float, what: str) -> Measured:
+    result = await worker.complete(prompt, 1, what)
+    if not result.cached_tokens:
+        raise CalibrationError(f"{what}: the worker reports no cached prompt tokens after the prefix "
+                               "was sent (prefix caching off, or usage without prompt_tokens_details: "
+                               "vLLM needs --enable-prefix-caching and --enable-prompt-tokens-details)")
+    return _ttft_sample(result, time_scale, what, "cached prefill")
+
+
+async def _cold(worker: Worker, prompt: str, time_scale: float, what: str) -> Measured:
+    result = await worker.complete(prompt, 1, what)
+    if result.cached_tokens:
+        raise CalibrationError(f"{what}: a prompt opened by a fresh nonce hit the prefix cache "
+                               f"({result.cached_tokens} of {result.prompt_tokens} tokens): the worker's "
+                               "cache reports cannot be trusted")
+    return _ttft_sample(result, time_scale, what, "cold prefill")
+
+
+def _ttft_sample(result: StreamResult, time_scale: float, what: str, kind: str) -> Measured:
+    assert result.first_token_at is not None and result.prompt_tokens is not None
+    seconds = (result.first_token_at - result.sent_at) / time_scale
+    if not seconds > 0:
+        raise CalibrationError(f"{what}: the first token came {seconds} s after the request")
+    cached = result.cached_tokens or 0
+    if not 0 <= cached < result.prompt_tokens:
+        raise CalibrationError(f"{what}: {cached} of {result.prompt_tokens} prompt tokens reported cached")
+    return Measured(StepSample(result.prompt_tokens - cached, 1, result.prompt_tokens, seconds, kind),
+                    round_trip=True)
+
+
+def _decode_sample(results: Sequence[StreamResult], time_scale: float, what: str) -> Measured:
+    """The mean decode step while every stream decodes: from the last stream's first token
+    to the first stream's last."""
+    start = max(r.first_token_at for r in results if r.first_token_at is not None)
+    end = min(r.points[-1][0] for r in results)
+    steps: list[float] = []
+    context = 0.0
+    for result in results:
+        inside = [(t, n) for t, n in result.points if start <= t <= end]
+        if len(inside) < 2 or inside[-1][1] - inside[0][1] < _MIN_WINDOW_STEPS:
+            raise CalibrationError(f"{what}: the streams decoded together for fewer than {_MIN_WINDOW_STEPS} "
+                                   "steps (did the worker serve them one after another?)")
+        (t1, n1), (t2, n2) = inside[0], inside[-1]
+        if not t2 > t1:
+            raise CalibrationError(f"{what}: {n2 - n1} tokens arrived in no time")
+        steps.append((t2 - t1) / (n2 - n1))
+        assert result.prompt_tokens is not None
+        # the step that produces token n+1 attends over the prompt and the n tokens before it
+        context += result.prompt_tokens + (n1 + n2 - 1) / 2
+    seconds = float(np.mean(steps)) / time_scale
+    return Measured(StepSample(0, len(results), round(context), seconds, "decode"), round_trip=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    info: WorkerInfo
+    plan: Plan
+    measured: list[Measured]
+    fit: StepTimeFit
+    round_trip_s: float
+    samples: list[StepSample]  # the steps fitted (TTFTs less the round trip)
+
+
+def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The non-negative coefficients minimising the relative squared error of ``x @ c ≈ y``,
+    found as fit_step_time finds them: the best feasible least-squares solve over every set
+    of free columns (a few columns only)."""
+    wx, wy = x / y[:, None], np.ones_like(y)
+    best: tuple[float, np.ndarray] | None = None
+    columns = x.shape[1]
+    for size in range(columns, 0, -1):
+        for free in itertools.combinations(range(columns), size):
+            solution, *_ = np.linalg.lstsq(wx[:, free], wy, rcond=None)
+            if (solution < 0).any():
+                continue
+            coefficients = np.zeros(columns)
+            coefficients[list(free)] = solution
+            residual = float(np.sum((wx @ coefficients - wy) ** 2))
+            if best is None or residual < best[0]:
+                best = (residual, coefficients)
+    assert best is not None  # one free positive column always fits
+    return best[1]
+
+
+def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, float, list[StepSample]]:
+    """Fit the request round trip (a fifth non-negative term, on TTFT samples only) with the
+    step time, remove it from the TTFTs, and fit the step time to the steps that remain."""
+    if not any(m.round_trip for m in measured) or all(m.round_trip for m in measured):
+        raise FitError("the round trip needs both TTFT and inter-token samples")
+    x = np.array([(*m.sample.features(), 1.0 if m.round_trip else 0.0) for m in measured])
+    y = np.array([m.sample.seconds for m in measured])
+    round_trip = float(_nonnegative_relative_fit(x, y)[-1])
+    shortest = min(m.sample.seconds for m in measured if m.round_trip)
+    if round_trip >= shortest:
+        raise FitError(f"the fitted round trip ({round_trip * 1e3:.2f} ms) is not shorter than the "
+                       f"shortest TTFT ({shortest * 1e3:.2f} ms)")
+    steps = [StepSample(m.sample.prefill_tokens, m.sample.seqs, m.sample.context_tokens,
+                        m.sample.seconds - (round_trip if m.round_trip else 0.0), m.sample.kind)
+             for m in measured]
+    return fit_step_time(steps), round_trip, steps
+
+
+def prefill_attention_check(steps: Sequence[StepSample]) -> tuple[float, float]:
+    """What the step-time model leaves out, measured: R² of the same fit with one more term,
+    the attention a prefill does (each new token over the context before it, ``P·(C − P/2)``),
+    and that term's coefficient. The model prices attention per step by ``C`` alone, right for
+    decode; when this R² is well above the model's, prefill attention is a share of the steps."""
+    x = np.array([(*s.features(), s.prefill_tokens * (s.context_tokens - s.prefill_tokens / 2)) for s in steps])
+    y = np.array([s.seconds for s in steps])
+    coefficients = _nonnegative_relative_fit(x, y)
+    predicted = x @ coefficients
+    spread = float(np.sum((y - y.mean()) ** 2))
+    r_squared = 1.0 - float(np.sum((y - predicted) ** 2)) / spread if spread > 0 else 1.0
+    return r_squared, float(coefficients[-1])
+
+
+async def calibrate(url: str, *, model: str | None, grid: Grid, time_scale: float, timeout_s: float,
+                    max_num_seqs: int, max_num_batched_tokens: int, progress: Progress) -> Calibration:
+    """Everything but writing: read the worker, measure the plan, fit."""
+    url = url.rstrip("/")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
+                                 limits=httpx.Limits(max_connections=256)) as client:
+        info = await read_worker_info(client, url, model)
+        progress(f"worker: {info.describe()}")
+        the_plan = plan(grid, info, max_num_seqs, max_num_batched_tokens)
+        for note in the_plan.skipped:
+            progress(f"skipped: {note}")
+        progress(f"grid {grid.name}: prompts up to {the_plan.longest} tokens, {the_plan.requests} requests "
+                 f"(time scale {time_scale:g})")
+        measured = await measure(Worker(client, info), the_plan, grid, time_scale, progress)
+    try:
+        fit, round_trip, steps = fit_with_round_trip(measured)
+    except FitError as err:
+        raise CalibrationError(f"the measurements cannot be fitted: {err}") from None
+    return Calibration(info, the_plan, measured, fit, round_trip, steps)
+
+
+def report(calibration: Calibration, worst: int = 5) -> str:
+    """The fit as text: coefficients, quality, the round trip, the worst samples."""
+    fit = calibration.fit
+    units = {"base_s": ("ms", 1e3), "prefill_token_s": ("µs/token", 1e6), "seq_s": ("µs/seq", 1e6),
+             "context_token_s": ("ns/token", 1e9)}
+    lines = [f"step-time fit to {fit.samples} steps of {calibration.info.model} at {calibration.info.url}:"]
+    for name in COEFFICIENTS:
+        unit, scale = units[name]
+        lines.append(f"  {name:<16} {getattr(fit, name):.6g}  ({getattr(fit, name) * scale:.4g} {unit})")
+    lines.append(f"  R² {fit.r_squared:.4f}, max relative error {fit.max_relative_error:.1%}")
+    lines.append(f"  request round trip {calibration.round_trip_s * 1e3:.3f} ms (removed from the TTFTs)")
+    attention_r2, attention_s = prefill_attention_check(calibration.samples)
+    lines.append(f"  not in the model: prefill attention P·(C − P/2) at {attention_s * 1e9:.3g} ns per "
+                 f"token pair would make R² {attention_r2:.4f}")
+    errors = fit.relative_errors(calibration.samples)
+    order = sorted(range(len(errors)), key=lambda i: -abs(errors[i]))[:worst]
+    lines.append("  worst samples (kind, P, S, C: measured → predicted):")
+    for i in order:
+        s = calibration.samples[i]
+        lines.append(f"    {s.kind:<15} P={s.prefill_tokens:<6} S={s.seqs:<3} C={s.context_tokens:<7} "
+                     f"{s.seconds * 1e3:9.3f} ms → {fit.predict(s) * 1e3:9.3f} ms ({errors[i]:+.1%})")
+    return "\n".join(lines)
+
+
+def plot_residuals(calibration: Calibration, path) -> None:
+    """Relative error of each sample against its measured time, one colour per kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fit = calibration.fit
+    errors = fit.relative_errors(calibration.samples)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for kind in sorted({s.kind for s in calibration.samples}):
+        points = [(s.seconds * 1e3, e * 100) for s, e in zip(calibration.samples, errors) if s.kind == kind]
+        axes.scatter(*zip(*points), label=kind, s=18)
+    axes.axhline(0, color="grey", linewidth=0.8)
+    axes.set_xscale("log")
+    axes.set_xlabel("measured step (ms)")
+    axes.set_ylabel("(predicted − measured) / measured (%)")
+    axes.set_title(f"{calibration.info.model}: R² {fit.r_squared:.4f}, "
+                   f"max |error| {fit.max_relative_error:.1%}")
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

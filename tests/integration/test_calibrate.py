@@ -1,0 +1,151 @@
+"""``sluice calibrate`` against real servers on loopback: a simworker whose step-time
+coefficients are known (a named preset) must be recovered from its streams; a dead URL, a
+worker answering 500 and one answering without usage must stop it with a clear error and no
+file written."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from entry.ports import free_port
+from sim.preset_file import read_preset_file
+from sim.step_time import preset
+from simworker.worker import SimWorkerConfig, create_app
+
+REPO = Path(__file__).resolve().parents[2]
+PRESET = "llama3.1-8b-h100"
+# Wall seconds per model second: a 9 ms step takes 18 ms of wall time, so the few
+# milliseconds of HTTP and event-loop jitter on a busy 2-core machine stay small beside it.
+TIME_SCALE = 2.0
+BLOCKS = 8_000
+
+
+@contextlib.contextmanager
+def serving(app: Starlette) -> Iterator[str]:
+    """``app`` under uvicorn on a loopback port of its own, in a thread; yields its URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive(), "the server failed to start"
+        assert time.monotonic() < deadline, "the server did not start in 10 s"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def run_calibrate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "entry.cli", "calibrate", *args], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_calibrate_recovers_a_simworkers_coefficients(tmp_path: Path) -> None:
+    config = SimWorkerConfig(name="cal", preset=PRESET, num_blocks=BLOCKS, block_size=16, kv_events=None,
+                             time_scale=TIME_SCALE)
+    out, plot = tmp_path / "measured.yaml", tmp_path / "residuals.png"
+    with serving(create_app(config)) as url:
+        result = run_calibrate("--worker", url, "--out", str(out), "--plot", str(plot),
+                               "--time-scale", str(TIME_SCALE), "--name", "sim-h100")
+    assert result.returncode == 0, result.stderr
+    # progress on stderr, counting requests up to the total
+    counts = re.findall(r"^calibrate: \[(\d+)/(\d+)\]", result.stderr, re.MULTILINE)
+    assert counts and counts[-1][0] == counts[-1][1], result.stderr
+    truth = preset(PRESET)
+    fitted = read_preset_file(out)
+    errors = {name: getattr(fitted, name) / getattr(truth, name) - 1
+              for name in ("base_s", "prefill_token_s", "seq_s", "context_token_s")}
+    print(result.stdout, "\nrelative errors:", {k: f"{v:+.2%}" for k, v in errors.items()})
+    for name in ("base_s", "prefill_token_s", "context_token_s"):
+        assert abs(errors[name]) < 0.05, (name, errors, result.stdout)
+    # seq_s moves a 32-sequence step by 1.3 ms of 14: recovered, less tightly
+    assert abs(errors["seq_s"]) < 0.10, (errors, result.stdout)
+    assert fitted.name == "sim-h100"
+    assert fitted.kv_capacity_tokens == (BLOCKS - 1) * 16 and fitted.block_size == 16
+    provenance = fitted.provenance
+    assert provenance.kind == "measured"
+    assert url in provenance.where and "sluice-sim" in provenance.where
+    assert provenance.how.startswith("sluice calibrate --worker")
+    assert provenance.r_squared is not None and provenance.r_squared > 0.99
+    assert provenance.samples is not None and provenance.samples >= 15
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "R² " in result.stdout and "worst samples" in result.stdout
+
+
+def test_a_dead_worker_is_a_clear_error_and_no_file(tmp_path: Path) -> None:
+    out = tmp_path / "never.yaml"
+    result = run_calibrate("--worker", f"http://127.0.0.1:{free_port()}", "--out", str(out), timeout=60)
+    assert result.returncode == 1
+    assert "error: cannot reach the worker at http://127.0.0.1:" in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+METRICS = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+           '# TYPE vllm:cache_config_info gauge\n'
+           'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n')
+
+
+def broken_worker(answer: str) -> Starlette:
+    """A worker whose model list and metrics are fine but whose completions are not:
+    ``"500"`` fails them, ``"no usage"`` streams tokens without any usage."""
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test",
+                                                         "max_model_len": 8192}]})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(METRICS)
+
+    async def completions(request: Request) -> Response:
+        if answer == "500":
+            return JSONResponse({"error": {"message": "engine died", "type": "InternalServerError",
+                                           "code": 500}}, status_code=500)
+        body = await request.json()
+
+        async def events() -> AsyncIterator[bytes]:
+            for _ in range(body["max_tokens"]):
+                chunk = {"choices": [{"index": 0, "text": " x", "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
+                             Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    ("500", "the worker answered 500: "),
+    ("no usage", "the stream reported no usage"),
+])
+def test_a_worker_that_fails_or_answers_nonsense_stops_it(tmp_path: Path, answer: str, message: str) -> None:
+    out = tmp_path / "never.yaml"
+    with serving(broken_worker(answer)) as url:
+        result = run_calibrate("--worker", url, "--out", str(out), timeout=60)
+    assert result.returncode == 1, result.stdout
+    assert f"error: probe: {message}" in result.stderr
+    assert "engine died" in result.stderr or answer != "500"
+    assert not out.exists() and list(tmp_path.iterdir()) == []
