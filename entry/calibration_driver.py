@@ -52,12 +52,13 @@ from sim.calibration import (
     StepSample,
     StepTimeFit,
     fit_step_time,
+    nonnegative_relative_fit,
+    prefill_attention_check,
 )
 
 # Common English words that every byte-level BPE splits predictably (most into one token);
 # the exact count per word is measured, not assumed.
-_FILLER = ("cache block token prompt prefix model request response worker batch sequence queue "
-           "the a of to in and for with on at by from as is it this that which").split()
+_FILLER = ["cache", "block", "token", "prompt", "prefix", "model", "request", "response", "worker", "batch", "sequence", "queue", "the", "a", "of", "to", "in", "and", "for", "with", "on", "at", "by", "from", "as", "is", "it", "this", "that", "which"]
 
 
 class CalibrationError(RuntimeError):
@@ -479,27 +480,6 @@ class Calibration:
     samples: list[StepSample]  # the steps fitted (TTFTs less the round trip)
 
 
-def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The non-negative coefficients minimising the relative squared error of ``x @ c ≈ y``,
-    found as fit_step_time finds them: the best feasible least-squares solve over every set
-    of free columns (a few columns only)."""
-    wx, wy = x / y[:, None], np.ones_like(y)
-    best: tuple[float, np.ndarray] | None = None
-    columns = x.shape[1]
-    for size in range(columns, 0, -1):
-        for free in itertools.combinations(range(columns), size):
-            solution, *_ = np.linalg.lstsq(wx[:, free], wy, rcond=None)
-            if (solution < 0).any():
-                continue
-            coefficients = np.zeros(columns)
-            coefficients[list(free)] = solution
-            residual = float(np.sum((wx @ coefficients - wy) ** 2))
-            if best is None or residual < best[0]:
-                best = (residual, coefficients)
-    assert best is not None  # one free positive column always fits
-    return best[1]
-
-
 def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, float, list[StepSample]]:
     """Fit the request round trip (a fifth non-negative term, on TTFT samples only) with the
     step time, remove it from the TTFTs, and fit the step time to the steps that remain."""
@@ -507,7 +487,7 @@ def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, floa
         raise FitError("the round trip needs both TTFT and inter-token samples")
     x = np.array([(*m.sample.features(), 1.0 if m.round_trip else 0.0) for m in measured])
     y = np.array([m.sample.seconds for m in measured])
-    round_trip = float(_nonnegative_relative_fit(x, y)[-1])
+    round_trip = float(nonnegative_relative_fit(x, y)[-1])
     shortest = min(m.sample.seconds for m in measured if m.round_trip)
     if round_trip >= shortest:
         raise FitError(f"the fitted round trip ({round_trip * 1e3:.2f} ms) is not shorter than the "
@@ -516,20 +496,6 @@ def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, floa
                         m.sample.seconds - (round_trip if m.round_trip else 0.0), m.sample.kind)
              for m in measured]
     return fit_step_time(steps), round_trip, steps
-
-
-def prefill_attention_check(steps: Sequence[StepSample]) -> tuple[float, float]:
-    """What the step-time model leaves out, measured: R² of the same fit with one more term,
-    the attention a prefill does (each new token over the context before it, ``P·(C − P/2)``),
-    and that term's coefficient. The model prices attention per step by ``C`` alone, right for
-    decode; when this R² is well above the model's, prefill attention is a share of the steps."""
-    x = np.array([(*s.features(), s.prefill_tokens * (s.context_tokens - s.prefill_tokens / 2)) for s in steps])
-    y = np.array([s.seconds for s in steps])
-    coefficients = _nonnegative_relative_fit(x, y)
-    predicted = x @ coefficients
-    spread = float(np.sum((y - y.mean()) ** 2))
-    r_squared = 1.0 - float(np.sum((y - predicted) ** 2)) / spread if spread > 0 else 1.0
-    return r_squared, float(coefficients[-1])
 
 
 async def calibrate(url: str, *, model: str | None, grid: Grid, time_scale: float, timeout_s: float,

@@ -70,6 +70,34 @@ class FitError(ValueError):
     """The samples cannot determine the model (too few, or not positive)."""
 
 
+def nonnegative_relative_fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """The non-negative coefficients ``c`` minimising the relative squared error of
+    ``features @ c ≈ seconds``: the best feasible least-squares solve over every set of free
+    columns (exact, and cheap for the few columns a step model has)."""
+    weighted_x, weighted_y = features / seconds[:, None], np.ones_like(seconds)
+    columns = features.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for size in range(columns, 0, -1):
+        for free in itertools.combinations(range(columns), size):
+            solution, *_ = np.linalg.lstsq(weighted_x[:, free], weighted_y, rcond=None)
+            if (solution < 0).any():
+                continue
+            coefficients = np.zeros(columns)
+            coefficients[list(free)] = solution
+            residual = float(np.sum((weighted_x @ coefficients - weighted_y) ** 2))
+            if best is None or residual < best[0]:
+                best = (residual, coefficients)
+    if best is None:  # pragma: no cover - a single free positive column always fits
+        raise FitError("no non-negative fit exists")
+    return best[1]
+
+
+def r_squared(seconds: np.ndarray, predicted: np.ndarray) -> float:
+    """The share of the measured times' variance the prediction explains."""
+    spread = float(np.sum((seconds - seconds.mean()) ** 2))
+    return 1.0 - float(np.sum((seconds - predicted) ** 2)) / spread if spread > 0 else 1.0
+
+
 def fit_step_time(samples: Sequence[StepSample]) -> StepTimeFit:
     """The non-negative coefficients that best explain ``samples`` in relative terms."""
     if len(samples) < len(COEFFICIENTS):
@@ -79,25 +107,20 @@ def fit_step_time(samples: Sequence[StepSample]) -> StepTimeFit:
         raise FitError(f"a sample needs a positive duration and non-negative counts: {bad[0]}")
     features = np.array([s.features() for s in samples])
     seconds = np.array([s.seconds for s in samples])
-    weights = 1.0 / seconds
-    weighted_x, weighted_y = features * weights[:, None], seconds * weights
-    best: tuple[float, np.ndarray] | None = None
-    for size in range(len(COEFFICIENTS), 0, -1):
-        for free in itertools.combinations(range(len(COEFFICIENTS)), size):
-            solution, *_ = np.linalg.lstsq(weighted_x[:, free], weighted_y, rcond=None)
-            if (solution < 0).any():
-                continue
-            coefficients = np.zeros(len(COEFFICIENTS))
-            coefficients[list(free)] = solution
-            residual = float(np.sum((weighted_x @ coefficients - weighted_y) ** 2))
-            if best is None or residual < best[0]:
-                best = (residual, coefficients)
-    if best is None:  # pragma: no cover - a single free positive column always fits
-        raise FitError("no non-negative fit exists")
-    coefficients = best[1]
+    coefficients = nonnegative_relative_fit(features, seconds)
     predicted = features @ coefficients
-    spread = float(np.sum((seconds - seconds.mean()) ** 2))
-    r_squared = 1.0 - float(np.sum((seconds - predicted) ** 2)) / spread if spread > 0 else 1.0
-    return StepTimeFit(*(float(c) for c in coefficients), r_squared=r_squared,
+    return StepTimeFit(*(float(c) for c in coefficients), r_squared=r_squared(seconds, predicted),
                        max_relative_error=float(np.max(np.abs(predicted - seconds) / seconds)),
                        samples=len(samples))
+
+
+def prefill_attention_check(steps: Sequence[StepSample]) -> tuple[float, float]:
+    """What the step-time model leaves out, measured: R² of the same fit with one more term,
+    the attention a prefill does (each new token over the context before it, ``P·(C − P/2)``),
+    and that term's coefficient. The model prices attention per step by ``C`` alone, right for
+    decode; when this R² is well above the model's, prefill attention is a share of the steps."""
+    features = np.array([(*s.features(), s.prefill_tokens * (s.context_tokens - s.prefill_tokens / 2))
+                         for s in steps])
+    seconds = np.array([s.seconds for s in steps])
+    coefficients = nonnegative_relative_fit(features, seconds)
+    return r_squared(seconds, features @ coefficients), float(coefficients[-1])

@@ -30,9 +30,9 @@ from simworker.worker import SimWorkerConfig, create_app
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = "llama3.1-8b-h100"
-# Wall seconds per model second: a 9 ms step takes 18 ms of wall time, so the few
+# Wall seconds per model second: a 9 ms step takes 36 ms of wall time, so the few
 # milliseconds of HTTP and event-loop jitter on a busy 2-core machine stay small beside it.
-TIME_SCALE = 2.0
+TIME_SCALE = 4.0
 BLOCKS = 8_000
 
 

@@ -15,9 +15,8 @@ from entry.calibration_driver import (
     _decode_sample,
     fit_with_round_trip,
     plan,
-    prefill_attention_check,
 )
-from sim.calibration import StepSample
+from sim.calibration import StepSample, prefill_attention_check
 from sim.step_time import preset
 
 TRUTH = preset("llama3.1-8b-h100")
