@@ -336,7 +336,9 @@ class RayTasks:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address=os.environ["RAY_ADDRESS"])
             else:
-                ray.init(num_cpus=self._jobs, include_dashboard=False, log_to_driver=False)
+                # a local cluster on this machine: its node binds and advertises loopback only
+                ray.init(num_cpus=self._jobs, include_dashboard=False, log_to_driver=False,
+                         _node_ip_address="127.0.0.1")
             self._started_ray = True
         return self
 

@@ -489,7 +489,9 @@ def run_rollout(setup: RolloutSetup, *, address: str | None, engines: list[dict[
 
     if address is None:
         cpus = local_cpus(setup)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=actor_logs)
+        # a local cluster: its node, and the actors that bind its address, stay on loopback
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=actor_logs,
+                 _node_ip_address="127.0.0.1")
         emit(f"local Ray: {cpus} logical CPUs (programs wait on the network and their tools)")
     else:
         ray.init(address=address, log_to_driver=actor_logs)

@@ -1,5 +1,5 @@
 """The Ray tier: ray_fleet's rollout example as a user runs it (``python -m ray_fleet.rollout``
-in a subprocess, which starts a local Ray with ``ray.init()``), the gateway and simworkers as
+in a subprocess, which starts a local Ray on loopback, ``ray.init(_node_ip_address="127.0.0.1")``), the gateway and simworkers as
 Ray actors and the agent programs as Ray tasks; and a gateway actor restarted by Ray. Skipped,
 saying why, only when ``ray`` cannot be imported (``make test`` installs the ``ray`` extra
 where a wheel exists)."""
@@ -93,7 +93,7 @@ def test_ray_restarts_a_dead_gateway_actor_which_starts_fresh_and_reports_its_ne
 
     from ray_fleet.actors import start_gateway, start_simworker
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": _env()["PYTHONPATH"]}})
     try:
         worker = start_simworker("w0", {"num_blocks": 128, "time_scale": 0.1})
