@@ -1,4 +1,4 @@
-"""Retention on vs off on two real vLLM CPU workers (issue 6, experiment 2).
+"""Retention on vs off on two real vLLM CPU workers.
 
 Starts two vLLM CPU workers with the tiny dummy-weight model (the e2e tier's fleet:
 tests/support/vllm_fleet.py, Sluice plugin loaded, 64 blocks × 32 tokens of KV each), then runs the

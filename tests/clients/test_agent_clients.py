@@ -1,4 +1,4 @@
-"""Agent frameworks without program identity through the gateway (issue 19): the openai-agents
+"""Agent frameworks without program identity through the gateway: the openai-agents
 SDK, mini-swe-agent and litellm, unchanged, each run twice at once on one task against
 simworkers that answer with tool calls, as experiments/clients/run_agents.py does it (a
 subprocess that starts the simworkers and ``sluice serve``). Two runs of one task must be two

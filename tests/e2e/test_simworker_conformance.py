@@ -1,4 +1,4 @@
-"""The simworker is as strict and as lenient as vLLM 0.32 (issue 19, item 5): one corpus of
+"""The simworker is as strict and as lenient as vLLM 0.32: one corpus of
 requests (tests/support/conformance_corpus.py) sent to a simworker and to a real vLLM CPU
 worker (the tiny model), compared on status, error envelope, error type and param, and the
 kind of a successful answer.

@@ -1,4 +1,4 @@
-"""The policy's engine priority reaches a real vLLM and orders its queue (issue 19, item 3).
+"""The policy's engine priority reaches a real vLLM and orders its queue.
 
 One vLLM CPU worker started with ``--scheduling-policy priority --max-num-seqs 1``: it runs
 one sequence at a time and orders its waiting queue by ``(priority, arrival)``. Behind the

@@ -5,8 +5,8 @@ its policy. Each test starts its own gateway on the session's workers and uses c
 other test uses, so the workers' caches carry nothing from one test into another.
 
 The tests on the gateway's KV index (``index predicts the cache``, ``restart resets the
-index``) need the gateway's KV-event subscriber (controller/subscriber.py, issue 5
-deliverable 1); without it they fail, naming what is missing.
+index``) need the gateway's KV-event subscriber (controller/subscriber.py); without
+it they fail, naming what is missing.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def subscriber_missing(gw: Gateway, worker: str) -> str:
     return (f"the gateway's KV index never showed the expected blocks of {worker} within "
             f"{INDEX_WAIT_S:.0f} s (controller.subscriber {'exists' if has_module else 'does not exist'}; "
             f"index.has_events({worker!r}) = {index.has_events(worker)}). The KV-event subscriber "
-            "(issue 5, deliverable 1) must feed policy.index from the workers' kv_events sockets.")
+            "must feed policy.index from the workers' kv_events sockets.")
 
 
 def wait_resident(gw: Gateway, worker: str, hashes: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Retention directives on real vLLM CPU workers (issue 6): the gateway's program_aware policy
+"""Retention directives on real vLLM CPU workers: the gateway's program_aware policy
 sends ``kv.retain`` for the programs it places, the engine plugin biases vLLM's eviction order,
 and a retained program's prefix survives a flood of other sessions that an unretained one does
 not.

@@ -1,4 +1,4 @@
-"""The policy's engine priority reaches the workers that order by it (issue 19, item 3).
+"""The policy's engine priority reaches the workers that order by it
 
 A worker declared ``scheduling_policy: priority`` gets ``"priority": engine_priority(...)``
 on its chat, completions and Responses calls: 0 for a call admitted on arrival, minus the

@@ -1,4 +1,4 @@
-"""Faults a client can provoke, answered as the API it speaks would answer them (issue 11):
+"""Faults a client can provoke, answered as the API it speaks would answer them:
 a body nested too deeply to parse, errors on Anthropic routes in Anthropic's own shape, and
 engine-level keys (``priority``, ``vllm_xargs``) a client must not set unless the config says
 so. Real uvicorn servers on loopback (the gateway and fake vLLM workers), real httpx."""

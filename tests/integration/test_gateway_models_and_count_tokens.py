@@ -1,4 +1,4 @@
-"""Two gaps a real client hits (issue 11): ``POST /v1/messages/count_tokens`` (Claude Code
+"""Two gaps a real client hits: ``POST /v1/messages/count_tokens`` (Claude Code
 calls it before its calls) is relayed to a worker without being admitted as a call, and a
 model no worker serves is a 404 in the API's own error shape instead of being forwarded.
 Real uvicorn servers on loopback (the gateway and fake vLLM workers), real httpx."""

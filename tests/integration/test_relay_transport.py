@@ -1,4 +1,4 @@
-"""The relay's transport against real sockets on loopback (issue 11): connections are reused,
+"""The relay's transport against real sockets on loopback: connections are reused,
 an idle one the worker has closed is never sent a request (the stale keep-alive fault), idle
 ones expire before the worker's keep-alive does, and a refused connection is told apart from
 a failure after the request was sent (:class:`controller.upstream.WorkerUnreachable`)."""

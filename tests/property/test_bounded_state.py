@@ -1,4 +1,4 @@
-"""No policy keeps state that outgrows what is alive (issue 12).
+"""No policy keeps state that outgrows what is alive.
 
 A driver plays a long random life against every registered policy — programs arrive, call,
 finish (some with a final call), get aborted, held and released, workers fail and come

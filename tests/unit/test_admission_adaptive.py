@@ -1,4 +1,4 @@
-"""What the policy learns online reaches the gateway's metrics and its log (issue 10)."""
+"""What the policy learns online reaches the gateway's metrics and its log."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Offload and Prefetch (issue 13): program_aware's host-tier rules, the directive mapping,
+"""Offload and Prefetch: program_aware's host-tier rules, the directive mapping,
 and the simulator's execution of them with the engine plugin's semantics."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The identity benchmark (bench/identity.py) at a smaller size: calls without identity are
-grouped into their programs with pairwise precision and recall ≥ 0.99 (issue 19's target),
+grouped into their programs with pairwise precision and recall ≥ 0.99,
 exactly with an id in any source, and the score is one that a wrong grouping fails."""
 
 from __future__ import annotations

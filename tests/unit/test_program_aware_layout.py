@@ -1,4 +1,4 @@
-"""program_aware's rooms (scheduler/policies/program_aware/, issue 20): each a module a
+"""program_aware's rooms (scheduler/policies/program_aware/): each a module a
 newcomer can hold in their head, saying what it owns, read by the façade and by one another
 one way only."""
 
