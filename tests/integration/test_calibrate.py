@@ -8,25 +8,27 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from entry.ports import free_port
 from sim.preset_file import read_preset_file
 from sim.step_time import preset
 from simworker.worker import SimWorkerConfig, create_app
+from tests.support.gateway_harness import ServerThread
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = "llama3.1-8b-h100"
@@ -39,23 +41,11 @@ BLOCKS = 8_000
 @contextlib.contextmanager
 def serving(app: Starlette) -> Iterator[str]:
     """``app`` under uvicorn on a loopback port of its own, in a thread; yields its URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive(), "the server failed to start"
-        assert time.monotonic() < deadline, "the server did not start in 10 s"
-        time.sleep(0.01)
+    server = ServerThread(app).start()
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield server.url
     finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+        server.stop()
 
 
 def run_calibrate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

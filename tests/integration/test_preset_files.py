@@ -22,12 +22,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from entry.cli import app
 from entry.ports import free_port
 from sim.preset_file import write_preset_file
 from sim.report import with_ceiling_ratio
 from sim.runs import run_policies, workload_feed
 from sim.step_time import DEFAULT_PRESET, Provenance, preset, presets
+from tests.support.cli import assert_error, invoke
 
 REPO = Path(__file__).resolve().parents[2]
 MEASURED = dataclasses.replace(
@@ -61,15 +61,6 @@ def bad_preset_path(tmp_path) -> Path:
     return path
 
 
-def invoke(runner: CliRunner, *args):
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, (fragment, result.stderr)
 
 
 def sluice(*args, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from entry.cli import app
 from sim.step_time import presets
+from tests.support.cli import assert_error, invoke
 
 SUMMARY_KEYS = {"policy", "output_tokens_per_s", "steps_per_min", "hit_rate", "reprefill_tokens",
                 "p50_call_s", "p99_call_s", "pauses", "resumes"}
@@ -26,9 +26,6 @@ TABLE_TITLES = ["policy", "out tok/s", "steps/min", "hit rate", "re-prefill tok"
 def runner() -> CliRunner:
     return CliRunner()
 
-
-def invoke(runner: CliRunner, *args: str):
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
 def assert_table(stdout: str, policies: list[str]) -> None:
@@ -51,12 +48,6 @@ def assert_results(path: Path, policies: list[str]) -> dict:
         assert 0.0 <= row["hit_rate"] <= 1.0
     return doc
 
-
-def assert_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, (fragment, result.stderr)
 
 
 # -- sim --------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import yaml
 from typer.testing import CliRunner
 
 from controller.serve_config import load_serve_config
-from entry.cli import app
 from scheduler.config import ProgramAwareConfig, parse_policy_yaml
 from sim.tuning import default_params
+from tests.support.cli import assert_error, invoke
 
 pytest.importorskip("optuna", reason="sluice tune needs the `tune` extra (optuna)")
 
@@ -27,15 +27,6 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
-def invoke(runner: CliRunner, *args: str):
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, (fragment, result.stderr)
 
 
 def test_tune_on_a_workload_writes_a_policy_file_that_check_config_and_serve_accept(runner, tmp_path):
