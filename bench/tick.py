@@ -133,7 +133,7 @@ class Fleet:
         final = program.steps_left <= 1
         request = CallRequest(
             request_id=request_id, session_id=program.session, prompt_tokens=program.context,
-            max_output_tokens=2_048, chain=ContinuationChain(tuple(program.chain)),
+            chain=ContinuationChain(tuple(program.chain)),
             chain_tokens=tuple(program.chain_tokens), final=final,
         )
         self.requests[request_id] = (program, request)
