@@ -88,7 +88,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import percentile, progress, result, run_loop
-from bench.load_generator import Load, request_bytes, window
+from bench.load_generator import Load, request_bytes, rounds, window
 from entry.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,7 +309,7 @@ async def _per_chunk(gateway_port: int, gateway: _Child, warmup_s: float, window
     return per_chunk
 
 
-async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, rounds: int,
+async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, round_count: int,
                     per_round: int, deadline: float) -> tuple[float, float]:
     def requests(port: int) -> list[bytes]:
         return [request_bytes(port, f"bench-stream-{i:03d}", stream=True, words=OVERHEAD_EVENTS,
@@ -328,7 +328,7 @@ async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, roun
         think_s = OVERHEAD_THINK_MS / 1e3
         for name in ("direct", "via"):  # warm-up: connections, programs, code paths
             await rounds(loads[name], reqs[name], STREAMS, think_s, seed=0)
-        for r in range(rounds):
+        for r in range(round_count):
             if r >= 2 and time.perf_counter() > deadline:
                 progress(f"gateway: c={STREAMS}: stopping after {r} rounds (time budget)")
                 break
@@ -339,7 +339,7 @@ async def _overhead(upstream_port: int, gateway_port: int, gateway: _Child, roun
                 busy = (gateway.cpu_seconds() - cpu) / (time.perf_counter() - started)
                 samples[name] += timings
                 lat = [t[0] for t in timings]
-                progress(f"gateway: c={STREAMS} round {r + 1}/{rounds} {name:6s} "
+                progress(f"gateway: c={STREAMS} round {r + 1}/{round_count} {name:6s} "
                          f"p50 {_ms(lat, 50):8.2f} ms  p99 {_ms(lat, 99):8.2f} ms  "
                          f"(gateway {100 * busy:.0f} % busy)")
         for name, load in loads.items():
