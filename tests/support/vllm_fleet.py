@@ -133,6 +133,9 @@ class Fleet:
     workers: list[VllmWorker] = field(default_factory=list)
     # more vLLM flags for every worker of this fleet (e.g. --scheduling-policy priority)
     extra_args: tuple[str, ...] = ()
+    # the KV pool and context limit of every worker (the e2e tier's by default)
+    num_blocks: int = NUM_BLOCKS
+    max_model_len: int = MAX_MODEL_LEN
 
     def __getitem__(self, name: str) -> VllmWorker:
         for worker in self.workers:
@@ -155,8 +158,8 @@ class Fleet:
             "--load-format", "dummy",
             "--host", "127.0.0.1", "--port", str(worker.port),
             "--block-size", str(BLOCK_SIZE),
-            "--num-gpu-blocks-override", str(NUM_BLOCKS),
-            "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-gpu-blocks-override", str(self.num_blocks),
+            "--max-model-len", str(self.max_model_len),
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--enforce-eager",  # no torch.compile warm-up: ~25 s less start-up per worker
