@@ -219,13 +219,15 @@ class Engine:
             return None
         prefill = 0
         context = 0
+        pairs = 0.0  # prefill attention: each new token over the context before it
         for request, n in scheduled:
             context += request.num_computed + n
             if n > 1 or request.num_computed + n < request.seq_len:
                 prefill += n
+                pairs += n * (request.num_computed + n / 2)
         self._step = scheduled
         self._step_start = now
-        self.busy_until = now + self.model.step_s(prefill, len(scheduled), context)
+        self.busy_until = now + self.model.step_s(prefill, len(scheduled), context, prefill_pairs=pairs)
         if self.offloading is not None:
             self.offloading.offer(scheduled, self.busy_until)
         return self.busy_until

@@ -1,10 +1,20 @@
 """How long one engine iteration takes: a linear model with named hardware/model presets.
 
-``step_s = base_s + prefill_token_s·P + seq_s·S + context_token_s·C`` for an iteration
-that computes ``P`` prompt tokens, runs ``S`` sequences and attends over ``C`` context
-tokens in total. The terms stand for: weights read once per step (memory bound), prompt
-FLOPs (compute bound), per-sequence overheads (sampling, scheduling), and KV reads by
-attention (memory bound).
+``step_s = base_s + prefill_token_s·P + seq_s·S + context_token_s·C + prefill_attention_s·A``
+for an iteration that computes ``P`` prompt tokens, runs ``S`` sequences, attends over ``C``
+context tokens in total and whose prefill chunks make ``A`` attention pairs. The terms stand
+for: weights read once per step (memory bound), prompt FLOPs (compute bound), per-sequence
+overheads (sampling, scheduling), KV reads by attention (memory bound), and the attention
+FLOPs of prefill: each of a chunk's ``n`` new tokens attends over the context before it, so a
+chunk behind ``c0`` computed tokens makes ``A = n·(c0 + n/2)`` pairs (``P·(C − P/2)`` for a
+whole prompt prefilled in one step). ``C`` prices attention by what it reads, right for
+decode; ``A`` prices what a prefill computes, which grows with the product of new and old
+tokens.
+
+The named presets leave ``prefill_attention_s`` at 0: for Llama-3.1-8B on a GPU it is small
+against the matmuls (a new token over 8k of context costs about a quarter more than its
+matmuls alone) and no datasheet figure gives its efficiency, so only a measured preset (a
+preset file from ``sluice calibrate`` or bench/gpu_profile.py) carries one.
 
 The named presets are derived from public figures, not fitted to measurements (each says so
 in its :class:`Provenance`; a measured one is a preset file, sim/preset_file.py):
@@ -69,6 +79,9 @@ class StepTimeModel:
     prefill_token_s: float
     seq_s: float
     context_token_s: float
+    # seconds per (new prompt token, context token) pair of a prefill; keyword-only so that
+    # it sits with the coefficients and defaults to 0 (the datasheet presets carry none)
+    prefill_attention_s: float = dataclasses.field(default=0.0, kw_only=True)
     kv_capacity_tokens: int
     block_size: int = 16
     max_num_seqs: int = 256
@@ -89,12 +102,16 @@ class StepTimeModel:
             raise ValueError(f"host tier size must be >= 0 GiB, got {gib}")
         return dataclasses.replace(self, kv_offload_gib=gib)
 
-    def step_s(self, prefill_tokens: int, seqs: int, context_tokens: int) -> float:
+    def step_s(self, prefill_tokens: int, seqs: int, context_tokens: int, *,
+               prefill_pairs: float = 0.0) -> float:
+        """One iteration; ``prefill_pairs`` is Σ n·(c0 + n/2) over its prefill chunks (``n``
+        new tokens behind ``c0`` computed ones)."""
         return (
             self.base_s
             + self.prefill_token_s * prefill_tokens
             + self.seq_s * seqs
             + self.context_token_s * context_tokens
+            + self.prefill_attention_s * prefill_pairs
         )
 
     def decode_run_s(self, seqs: int, context_tokens: int, steps: int) -> float:

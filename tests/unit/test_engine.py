@@ -113,6 +113,43 @@ def test_long_prompt_is_prefilled_in_chunks_of_max_num_batched_tokens():
     assert a.first_token_at == pytest.approx(now)
 
 
+def _prefill_step_durations(m: StepTimeModel, prompt: int) -> list[float]:
+    """The durations of the steps that prefill one ``prompt``-token request, alone."""
+    engine = Engine("w", m, num_blocks=20)
+    a = req("a", prompt, 3)
+    engine.add_request(a, 0.0)
+    durations, now = [], 0.0
+    while a.num_output == 0:
+        end = one_iteration(engine, now)
+        durations.append(end - now)
+        now = end
+    return durations
+
+
+@pytest.mark.parametrize(("budget", "pairs"), [
+    # one step: 20 new tokens over the 10 before each on average, 20·(0 + 20/2)
+    (64, [20 * (0 + 20 / 2)]),
+    # chunks of 8, 8, 4 behind 0, 8, 16 computed tokens: n·(c0 + n/2) each (summing to 200 too)
+    (8, [8 * (0 + 8 / 2), 8 * (8 + 8 / 2), 4 * (16 + 4 / 2)]),
+])
+def test_prefill_attention_adds_its_pairs_to_each_prefill_step(budget, pairs):
+    pair_s = 1e-6
+    plain = _prefill_step_durations(model(max_num_batched_tokens=budget), 20)
+    attending = _prefill_step_durations(model(max_num_batched_tokens=budget, prefill_attention_s=pair_s), 20)
+    assert sum(pairs) == 20 * (20 - 20 / 2)  # chunked or not, a whole prompt's P·(C − P/2)
+    assert len(plain) == len(attending) == len(pairs)
+    assert [b - a for a, b in zip(plain, attending)] == pytest.approx([pair_s * p for p in pairs], rel=1e-9)
+
+
+def test_a_decode_step_has_no_prefill_attention():
+    plain, attending = Engine("w", MODEL, num_blocks=20), Engine("w", model(prefill_attention_s=1e-6), num_blocks=20)
+    for engine in (plain, attending):
+        engine.add_request(req("a", 8, 4), 0.0)
+        one_iteration(engine, 0.0)  # the prefill
+    decode = [engine.start(1.0, max_run_steps=1) for engine in (plain, attending)]
+    assert decode[0] == decode[1]
+
+
 def test_every_iteration_stays_within_the_token_budget_running_requests_first():
     engine = Engine("w", model(max_num_batched_tokens=8), num_blocks=30)
     a = req("a", 20, 2, priority=0.0)
@@ -622,6 +659,17 @@ def test_every_preset_builds_with_positive_terms():
         assert preset(name) == m
         # a small decode step is milliseconds, not seconds or microseconds
         assert 1e-3 < m.step_s(0, 1, 1000) < 0.1
+        # no datasheet gives prefill attention's efficiency: only a measured preset has the term
+        assert m.prefill_attention_s == 0.0
+
+
+def test_step_s_adds_prefill_attention_per_pair():
+    m = model(prefill_attention_s=2e-7)
+    plain = m.step_s(100, 2, 600)
+    assert plain == MODEL.step_s(100, 2, 600)  # no pairs given: no attention
+    assert m.step_s(100, 2, 600, prefill_pairs=45_000) == pytest.approx(plain + 2e-7 * 45_000, rel=1e-12)
+    # a zero coefficient adds exactly nothing, whatever the pairs
+    assert MODEL.step_s(100, 2, 600, prefill_pairs=45_000) == MODEL.step_s(100, 2, 600)
 
 
 def test_unknown_preset_names_the_choices():
