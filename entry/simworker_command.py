@@ -54,9 +54,10 @@ def simworker(
     time_scale: float = typer.Option(1.0, "--time-scale",
                                      help="Wall seconds per model second (0.1 runs 10x faster)."),
     prefill_scale: float = typer.Option(1.0, "--prefill-scale",
-                                        help="Multiply the preset's per-token prompt cost (a small "
-                                             "demo pool's short contexts re-prefill as dearly as "
-                                             "long ones on a GPU)."),
+                                        help="Multiply the preset's prefill costs, per prompt token "
+                                             "and per prefill attention pair, so a prompt costs this "
+                                             "many times as much (a small demo pool's short contexts "
+                                             "re-prefill as dearly as long ones on a GPU)."),
     topic: Optional[str] = typer.Option(None, "--topic",
                                         help='Topic frame of KV events (default "kv@<name>").'),
     name: str = typer.Option("w0", "--name", help="Worker name (engine name, default topic)."),

@@ -96,6 +96,14 @@ class StepTimeModel:
     host_link_bytes_per_s: float = 0.0
     provenance: Provenance = DATASHEET
 
+    def with_prefill_scale(self, scale: float) -> StepTimeModel:
+        """This model with every prefill cost (per prompt token and per attention pair) times
+        ``scale``: a prompt costs ``scale`` times as much, the rest of a step the same."""
+        if not scale > 0:
+            raise ValueError(f"prefill scale must be > 0, got {scale}")
+        return dataclasses.replace(self, prefill_token_s=self.prefill_token_s * scale,
+                                   prefill_attention_s=self.prefill_attention_s * scale)
+
     def with_host_tier(self, gib: float) -> StepTimeModel:
         """This model with a host KV tier of ``gib`` GiB (0 turns it off)."""
         if gib < 0:

@@ -26,9 +26,10 @@ class SimWorkerConfig:
     directives: str | None = None          # ZMQ PULL for retention directives; None: none
     topic: str | None = None               # None: "kv@<name>"
     time_scale: float = 1.0
-    # Multiplies the preset's per-token prompt cost. A small demo pool holds contexts ~18×
-    # shorter than a real agent's; scaling prefill keeps a re-prefill as costly, relative to
-    # a turn, as it is for those on a GPU.
+    # Multiplies the preset's prefill costs (per prompt token and per attention pair, so a
+    # prompt costs this many times as much). A small demo pool holds contexts ~18× shorter
+    # than a real agent's; scaling prefill keeps a re-prefill as costly, relative to a turn,
+    # as it is for those on a GPU.
     prefill_scale: float = 1.0
     default_max_tokens: int = 256
     max_run_steps: int = 16

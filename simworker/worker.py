@@ -168,7 +168,7 @@ class SimWorker:
         self.config = config
         model = model_of(config.preset)
         if config.prefill_scale != 1.0:
-            model = dataclasses.replace(model, prefill_token_s=model.prefill_token_s * config.prefill_scale)
+            model = model.with_prefill_scale(config.prefill_scale)
         if config.max_num_seqs is not None:
             model = dataclasses.replace(model, max_num_seqs=config.max_num_seqs)
         self.engine = Engine(config.name, model, num_blocks=config.num_blocks,

@@ -28,7 +28,6 @@ entries, which under ``priority`` make it send the policy's engine priority.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -122,7 +121,7 @@ class ParitySetup:
     def engine_model(self) -> StepTimeModel:
         """The preset as the simworkers run it (``--prefill-scale``)."""
         model = load_preset(self.preset)
-        return dataclasses.replace(model, prefill_token_s=model.prefill_token_s * self.prefill_scale)
+        return model.with_prefill_scale(self.prefill_scale)
 
     def policy_section(self, policy: str) -> dict[str, Any]:
         """The ``policy:`` section both shells run (virtual seconds)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from simworker.worker import DEFAULT_MAX_MODEL_LEN, SimWorker, SimWorkerConfig
@@ -10,11 +12,13 @@ from sim.step_time import preset
 
 
 def test_prefill_scale_multiplies_only_the_prompt_cost_of_the_preset() -> None:
-    base = preset("llama3.1-8b-h100")
-    worker = SimWorker(SimWorkerConfig(kv_events=None, prefill_scale=10.0, num_blocks=64))
+    base = dataclasses.replace(preset("llama3.1-8b-h100"), prefill_attention_s=1.2e-9)
+    worker = SimWorker(SimWorkerConfig(preset=base, kv_events=None, prefill_scale=10.0, num_blocks=64))
     try:
         model = worker.engine.model
+        # per prompt token and per attention pair: the whole prompt costs 10×
         assert model.prefill_token_s == pytest.approx(10.0 * base.prefill_token_s)
+        assert model.prefill_attention_s == pytest.approx(10.0 * base.prefill_attention_s)
         assert (model.base_s, model.context_token_s, model.seq_s) == (
             base.base_s, base.context_token_s, base.seq_s)
     finally:
