@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from sim.calibration import FitError, StepSample, fit_step_time
+from sim.calibration import COEFFICIENTS, FitError, StepSample, fit_step_time
 
 
 def say(message: str) -> None:
@@ -214,7 +214,7 @@ def run_grid(points: Sequence[GridPoint], measure: Callable[[GridPoint, float], 
 
 
 def _predict_point_s(run: GridRun, point: GridPoint, steps: int) -> float | None:
-    if len(run.measured) < 4:
+    if len(run.measured) < len(COEFFICIENTS):
         return None
     try:
         fit = fit_step_time(run.samples())

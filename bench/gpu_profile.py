@@ -5,8 +5,9 @@ Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json: 32 layers, hidden 4096, 32 qu
 128 dims, 8 KV heads (grouped-query attention), SwiGLU MLP of 14336, vocabulary 128256,
 RMSNorm, RoPE with θ = 500000, untied embeddings) with random bf16 weights in PyTorch, times
 real forward steps on one GPU, fits ``step_s = base_s + prefill_token_s·P + seq_s·S +
-context_token_s·C`` (sim/calibration.py) and writes a preset with provenance "measured"
-(sim/preset_file.py). Each timed step becomes one sample in the engine model's terms:
+context_token_s·C + prefill_attention_s·P·(C − P/2)`` (sim/calibration.py) and writes a preset
+with provenance "measured" (sim/preset_file.py). Each timed step becomes one sample in the
+engine model's terms:
 
 - a cold prefill of P tokens (one sequence): P = P, S = 1, C = P;
 - a prefill of P new tokens behind a cached prefix of N tokens: P = P, S = 1, C = N + P;
@@ -41,7 +42,7 @@ from typing import Any
 
 from bench.gpu_decoder import Device, Profiler, RandomDecoder, import_torch
 from bench.gpu_grid import GRIDS, SHAPES, ProfileError, UsageError, run_grid, say
-from sim.calibration import FitError, StepSample, StepTimeFit, fit_step_time
+from sim.calibration import COEFFICIENTS, FitError, StepSample, StepTimeFit, fit_step_time
 from sim.step_time import Provenance, StepTimeModel
 
 SAMPLES_FORMAT = "sluice gpu_profile samples v1"
@@ -187,7 +188,8 @@ def preset_from(measurement: Measurement, fit: StepTimeFit, *, name: str | None,
         name=name or f"{measurement.shape}-{_slug(measurement.device.split(' (')[0])}-measured",
         description=f"fitted to PyTorch steps of a {measurement.shape}-shaped decoder (bench/gpu_profile.py)",
         base_s=fit.base_s, prefill_token_s=fit.prefill_token_s, seq_s=fit.seq_s,
-        context_token_s=fit.context_token_s, kv_capacity_tokens=measurement.kv_capacity_tokens,
+        context_token_s=fit.context_token_s, prefill_attention_s=fit.prefill_attention_s,
+        kv_capacity_tokens=measurement.kv_capacity_tokens,
         block_size=BLOCK_SIZE, kv_bytes_per_token=measurement.kv_bytes_per_token,
         provenance=Provenance("measured", measurement.where, how, r_squared=fit.r_squared,
                               max_relative_error=fit.max_relative_error, samples=fit.samples))
@@ -202,7 +204,8 @@ def report_fit(measurement: Measurement, fit: StepTimeFit) -> None:
     print(f"fit over {fit.samples} steps: step_s = {fit.base_s * 1e3:.4g} ms"
           f" + {fit.prefill_token_s * 1e6:.4g} us per prompt token (P)"
           f" + {fit.seq_s * 1e6:.4g} us per sequence (S)"
-          f" + {fit.context_token_s * 1e9:.4g} ns per context token (C)")
+          f" + {fit.context_token_s * 1e9:.4g} ns per context token (C)"
+          f" + {fit.prefill_attention_s * 1e9:.4g} ns per prefill attention pair (P·(C − P/2))")
     errors = fit.relative_errors(measurement.samples)
     worst = max(range(len(errors)), key=lambda i: abs(errors[i]))
     print(f"R² {fit.r_squared:.4f}, largest relative error {fit.max_relative_error:.1%} "
@@ -242,7 +245,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m bench.gpu_profile",
         description="Time forward steps of a Llama-3.1-8B-shaped transformer (random weights) on one "
         "GPU over a grid of prefill lengths, cached prefixes, decode batches and contexts; fit the "
-        "engine model's step time (base + per prompt token + per sequence + per context token) and "
+        "engine model's step time (base + per prompt token + per sequence + per context token + per "
+        "prefill attention pair) and "
         "write a measured preset for --preset-file. Not part of `make bench`: it needs torch and, "
         "for its real numbers, a GPU.",
         epilog="Examples: `python -m bench.gpu_profile --out preset.yaml` on a GPU machine; "
@@ -301,9 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.samples_out is not None:
                 _write_json(measurement.to_json(), args.samples_out)
                 say(f"wrote {len(measurement.samples)} samples to {args.samples_out}")
-        if len(measurement.samples) < 4:
-            raise ProfileError(f"{len(measurement.samples)} points measured; the fit needs at least 4 "
-                               "(raise --budget-s, or see the skipped points above)")
+        if len(measurement.samples) < len(COEFFICIENTS):
+            raise ProfileError(f"{len(measurement.samples)} points measured; the fit needs at least "
+                               f"{len(COEFFICIENTS)} (raise --budget-s, or see the skipped points above)")
         fit = fit_step_time(measurement.samples)
         report_fit(measurement, fit)
         if writer is not None:

@@ -80,7 +80,7 @@ def calibrate(
         name=name or f"calibrated-{info.model}",
         description=f"fitted to {info.model} at {info.url}",
         base_s=fit.base_s, prefill_token_s=fit.prefill_token_s, seq_s=fit.seq_s,
-        context_token_s=fit.context_token_s,
+        context_token_s=fit.context_token_s, prefill_attention_s=fit.prefill_attention_s,
         kv_capacity_tokens=info.kv_capacity_tokens, block_size=info.block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         provenance=Provenance("measured", where or info.describe(), how, r_squared=fit.r_squared,

@@ -2,8 +2,9 @@
 turn what its streams show into steps of the engine model, and fit the step time.
 
 The engine model (sim/step_time.py) prices one iteration as
-``base_s + prefill_token_s·P + seq_s·S + context_token_s·C``. Three kinds of request each
-isolate a kind of step, sent to an otherwise idle worker:
+``base_s + prefill_token_s·P + seq_s·S + context_token_s·C + prefill_attention_s·P·(C − P/2)``
+(the last term: a prefill's new tokens each attending over the context before them). Three
+kinds of request each isolate a kind of step, sent to an otherwise idle worker:
 
 - *cold prefill*: a prompt of ``p`` tokens nobody sent before (a fresh nonce opens it, so no
   block of it is cached), ``max_tokens`` 1, alone. Its one step computes the whole prompt:
@@ -19,9 +20,11 @@ isolate a kind of step, sent to an otherwise idle worker:
   gives the exact count on every chunk, so tokens the worker sends in bursts count right).
 
 A TTFT also holds the request's round trip (HTTP, tokenizing, detokenizing), which an
-inter-token time does not. That is fitted as a fifth, non-negative term present only in the
-TTFT samples and removed from them before the step-time fit (``fit_with_round_trip``); the
-decode steps pin ``base_s`` down, so the two are told apart.
+inter-token time does not. That is fitted as one more non-negative term, present only in the
+TTFT samples, and removed from them before the step-time fit (``fit_with_round_trip``); the
+decode steps pin ``base_s`` down, so the two are told apart. The cold prefills at several
+lengths and the prefills behind a cached prefix tell ``prefill_token_s`` (linear in ``P``)
+from ``prefill_attention_s`` (growing with ``P·C``).
 
 Every point is measured in several passes over the whole grid and its shortest time kept
 (``measure``): interference from other processes only ever adds time.
@@ -53,7 +56,7 @@ from sim.calibration import (
     StepTimeFit,
     fit_step_time,
     nonnegative_relative_fit,
-    prefill_attention_check,
+    r_squared_without_prefill_attention,
 )
 
 # Common English words that every byte-level BPE splits predictably (most into one token);
@@ -481,8 +484,9 @@ class Calibration:
 
 
 def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, float, list[StepSample]]:
-    """Fit the request round trip (a fifth non-negative term, on TTFT samples only) with the
-    step time, remove it from the TTFTs, and fit the step time to the steps that remain."""
+    """Fit the request round trip (a non-negative term beside the step time's, on TTFT samples
+    only) with the step time, remove it from the TTFTs, and fit the step time to the steps that
+    remain."""
     if not any(m.round_trip for m in measured) or all(m.round_trip for m in measured):
         raise FitError("the round trip needs both TTFT and inter-token samples")
     x = np.array([(*m.sample.features(), 1.0 if m.round_trip else 0.0) for m in measured])
@@ -523,16 +527,15 @@ def report(calibration: Calibration, worst: int = 5) -> str:
     """The fit as text: coefficients, quality, the round trip, the worst samples."""
     fit = calibration.fit
     units = {"base_s": ("ms", 1e3), "prefill_token_s": ("µs/token", 1e6), "seq_s": ("µs/seq", 1e6),
-             "context_token_s": ("ns/token", 1e9)}
+             "context_token_s": ("ns/token", 1e9), "prefill_attention_s": ("ns/token pair", 1e9)}
     lines = [f"step-time fit to {fit.samples} steps of {calibration.info.model} at {calibration.info.url}:"]
     for name in COEFFICIENTS:
         unit, scale = units[name]
-        lines.append(f"  {name:<16} {getattr(fit, name):.6g}  ({getattr(fit, name) * scale:.4g} {unit})")
+        lines.append(f"  {name:<19} {getattr(fit, name):.6g}  ({getattr(fit, name) * scale:.4g} {unit})")
     lines.append(f"  R² {fit.r_squared:.4f}, max relative error {fit.max_relative_error:.1%}")
     lines.append(f"  request round trip {calibration.round_trip_s * 1e3:.3f} ms (removed from the TTFTs)")
-    attention_r2, attention_s = prefill_attention_check(calibration.samples)
-    lines.append(f"  not in the model: prefill attention P·(C − P/2) at {attention_s * 1e9:.3g} ns per "
-                 f"token pair would make R² {attention_r2:.4f}")
+    lines.append(f"  without prefill attention (prefill_attention_s held at 0): R² "
+                 f"{r_squared_without_prefill_attention(calibration.samples):.4f}")
     errors = fit.relative_errors(calibration.samples)
     order = sorted(range(len(errors)), key=lambda i: -abs(errors[i]))[:worst]
     lines.append("  worst samples (kind, P, S, C: measured → predicted):")

@@ -1,20 +1,23 @@
 """Fitting the engine model's step time to measured steps (``sluice calibrate``, bench/gpu_profile.py).
 
-The model (sim/step_time.py) is linear in four non-negative coefficients::
+The model (sim/step_time.py) is linear in five non-negative coefficients::
 
-    step_s = base_s + prefill_token_s·P + seq_s·S + context_token_s·C
+    step_s = base_s + prefill_token_s·P + seq_s·S + context_token_s·C + prefill_attention_s·P·(C − P/2)
 
 for a step that computes ``P`` prompt tokens, runs ``S`` sequences and attends over ``C``
 context tokens. A measurement is one such step (or the mean of several alike) with its
-duration. The fit minimises the *relative* squared error (each sample weighted by
-``1/seconds``), so a 2 ms decode step counts as much as a 400 ms prefill, under the
-constraint that no coefficient is negative (a negative term has no physical reading and
-extrapolates badly). With four coefficients the constrained problem is solved exactly by
-trying every set of free coefficients (16 least-squares solves) and keeping the best
+duration; a prefill step computes one prompt's ``P`` tokens behind ``C − P`` cached ones, so
+its attention pairs (each new token over the context before it) are ``P·(C − P/2)``, and a
+decode step (``P = 0``) has none. The fit minimises the *relative* squared error (each sample
+weighted by ``1/seconds``), so a 2 ms decode step counts as much as a 400 ms prefill, under
+the constraint that no coefficient is negative (a negative term has no physical reading and
+extrapolates badly). With five coefficients the constrained problem is solved exactly by
+trying every set of free coefficients (32 least-squares solves) and keeping the best
 feasible one.
 
 Quality is reported as R² (on seconds, unweighted: the share of the variance explained) and
-the largest relative error of any sample.
+the largest relative error of any sample; :func:`r_squared_without_prefill_attention` says
+how much the attention term adds on the same samples.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-COEFFICIENTS = ("base_s", "prefill_token_s", "seq_s", "context_token_s")
+COEFFICIENTS = ("base_s", "prefill_token_s", "seq_s", "context_token_s", "prefill_attention_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +41,15 @@ class StepSample:
     seconds: float
     kind: str = ""  # what the sample measured (e.g. "cold prefill", "decode"), for reports
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.prefill_tokens), float(self.seqs), float(self.context_tokens))
+    @property
+    def prefill_pairs(self) -> float:
+        """The prefill's attention pairs: its ``P`` new tokens over the ``C − P`` before them."""
+        return self.prefill_tokens * (self.context_tokens - self.prefill_tokens / 2)
+
+    def features(self) -> tuple[float, float, float, float, float]:
+        """What each coefficient multiplies, in :data:`COEFFICIENTS`' order."""
+        return (1.0, float(self.prefill_tokens), float(self.seqs), float(self.context_tokens),
+                self.prefill_pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,7 @@ class StepTimeFit:
     prefill_token_s: float
     seq_s: float
     context_token_s: float
+    prefill_attention_s: float
     r_squared: float
     max_relative_error: float
     samples: int
@@ -59,7 +70,8 @@ class StepTimeFit:
 
     def predict(self, sample: StepSample) -> float:
         return (self.base_s + self.prefill_token_s * sample.prefill_tokens + self.seq_s * sample.seqs
-                + self.context_token_s * sample.context_tokens)
+                + self.context_token_s * sample.context_tokens
+                + self.prefill_attention_s * sample.prefill_pairs)
 
     def relative_errors(self, samples: Sequence[StepSample]) -> list[float]:
         """(predicted − measured) / measured, per sample."""
@@ -102,9 +114,11 @@ def fit_step_time(samples: Sequence[StepSample]) -> StepTimeFit:
     """The non-negative coefficients that best explain ``samples`` in relative terms."""
     if len(samples) < len(COEFFICIENTS):
         raise FitError(f"{len(samples)} samples cannot fit {len(COEFFICIENTS)} coefficients")
-    bad = [s for s in samples if not s.seconds > 0 or min(s.prefill_tokens, s.seqs, s.context_tokens) < 0]
+    bad = [s for s in samples if not s.seconds > 0 or min(s.prefill_tokens, s.seqs, s.context_tokens) < 0
+           or s.context_tokens < s.prefill_tokens]
     if bad:
-        raise FitError(f"a sample needs a positive duration and non-negative counts: {bad[0]}")
+        raise FitError("a sample needs a positive duration, non-negative counts and a context that "
+                       f"holds its prompt tokens: {bad[0]}")
     features = np.array([s.features() for s in samples])
     seconds = np.array([s.seconds for s in samples])
     coefficients = nonnegative_relative_fit(features, seconds)
@@ -114,13 +128,10 @@ def fit_step_time(samples: Sequence[StepSample]) -> StepTimeFit:
                        samples=len(samples))
 
 
-def prefill_attention_check(steps: Sequence[StepSample]) -> tuple[float, float]:
-    """What the step-time model leaves out, measured: R² of the same fit with one more term,
-    the attention a prefill does (each new token over the context before it, ``P·(C − P/2)``),
-    and that term's coefficient. The model prices attention per step by ``C`` alone, right for
-    decode; when this R² is well above the model's, prefill attention is a share of the steps."""
-    features = np.array([(*s.features(), s.prefill_tokens * (s.context_tokens - s.prefill_tokens / 2))
-                         for s in steps])
+def r_squared_without_prefill_attention(steps: Sequence[StepSample]) -> float:
+    """R² of the same fit with ``prefill_attention_s`` held at 0: what the attention term adds
+    to explaining ``steps`` (much, where prefills spend a share of their time on attention)."""
+    features = np.array([s.features()[:-1] for s in steps])
     seconds = np.array([s.seconds for s in steps])
     coefficients = nonnegative_relative_fit(features, seconds)
-    return r_squared(seconds, features @ coefficients), float(coefficients[-1])
+    return r_squared(seconds, features @ coefficients)

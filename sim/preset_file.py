@@ -1,8 +1,8 @@
 """A step-time preset as a YAML file: what `sluice calibrate` and bench/gpu_profile.py write
 and what `--preset-file` reads.
 
-The file holds one :class:`~sim.step_time.StepTimeModel`: the four step-time coefficients,
-the engine's sizes, and its provenance (measured where and how, with the fit's quality, or
+The file holds one :class:`~sim.step_time.StepTimeModel`: the step-time coefficients, the
+engine's sizes, and its provenance (measured where and how, with the fit's quality, or
 from datasheets). Reading is strict (unknown keys, wrong types and impossible values are
 refused naming the key); writing is atomic (a temporary file renamed over the target), so a
 run that fails leaves no half-written preset.
@@ -46,6 +46,8 @@ class _PresetFile(_Strict):
     prefill_token_s: NonNegative
     seq_s: NonNegative
     context_token_s: NonNegative
+    # optional: files written before the model priced prefill attention leave it out (0)
+    prefill_attention_s: NonNegative = 0.0
     kv_capacity_tokens: Annotated[int, Field(ge=1)]
     block_size: Annotated[int, Field(ge=1)] = 16
     max_num_seqs: Annotated[int, Field(ge=1)] = 256

@@ -1,13 +1,13 @@
 """``sluice calibrate --grid short`` on a real vLLM CPU worker (the session's fleet: the tiny
-dummy-weight model, 64 blocks of 32 tokens, max_model_len 1024): the engine model's four
-coefficients must explain most of vLLM's measured step time, and the preset must carry the
-worker's KV pool as /metrics reports it.
+dummy-weight model, 64 blocks of 32 tokens, max_model_len 1024): the engine model's five
+coefficients must explain vLLM's measured step time to R² ≥ 0.95, and the preset must carry
+the worker's KV pool as /metrics reports it.
 
-The bar is R² ≥ 0.90, not the issue's 0.95: over 17 runs the fit reached 0.92–0.99 (median
-0.96, 7 runs below 0.95). What it misses is prefill attention, which this model (hidden 256,
-two layers) spends about as long on as on its matmuls at 960-token prompts and which the step
-model prices by C alone; with a P·(C − P/2) term the same measurements fit at 0.987–0.997
-(docs/design-notes.md, "Calibration")."""
+The prefill attention term is what makes 0.95 reachable: this model (hidden 256, two layers)
+spends about as long on attention as on its matmuls at 960-token prompts, which a model that
+prices attention by ``C`` alone cannot follow (its fit reached R² 0.92–0.99 over 17 runs, 7 of
+them below 0.95). The report still prints the fit without the term, so a run shows what it
+adds (docs/design-notes.md, "Calibration")."""
 
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def test_calibrate_fits_a_vllm_cpu_worker(fleet: Fleet, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     fitted = read_preset_file(out)
     assert fitted.provenance.kind == "measured"
-    assert fitted.provenance.r_squared is not None and fitted.provenance.r_squared >= 0.90, result.stdout
-    assert "not in the model: prefill attention" in result.stdout
+    assert fitted.provenance.r_squared is not None and fitted.provenance.r_squared >= 0.95, result.stdout
+    assert "without prefill attention (prefill_attention_s held at 0): R² " in result.stdout
+    # the tiny model's prefills spend a share of their time on attention: the fit finds the term
+    assert fitted.prefill_attention_s > 0, result.stdout
     assert fitted.kv_capacity_tokens == CAPACITY_TOKENS and fitted.block_size == BLOCK_SIZE
     assert MODEL_NAME in fitted.provenance.where
     # a real engine's step costs something per step and per prompt token

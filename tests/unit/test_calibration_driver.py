@@ -4,10 +4,14 @@ what a worker takes."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from entry.calibration_driver import (
     GRIDS,
+    Calibration,
     CalibrationError,
     Measured,
     StreamResult,
@@ -15,16 +19,22 @@ from entry.calibration_driver import (
     _decode_sample,
     fit_with_round_trip,
     plan,
+    report,
 )
-from sim.calibration import StepSample, prefill_attention_check
+from sim.calibration import COEFFICIENTS, StepSample
 from sim.step_time import preset
 
-TRUTH = preset("llama3.1-8b-h100")
+# the H100 preset with a prefill attention term (seconds per token pair) as a measured one has
+TRUTH = dataclasses.replace(preset("llama3.1-8b-h100"), prefill_attention_s=1.2e-9)
 ROUND_TRIP_S = 0.004
 
 
+def _prefill_s(prefill: int, context: int) -> float:
+    return TRUTH.step_s(prefill, 1, context, prefill_pairs=prefill * (context - prefill / 2))
+
+
 def _ttft(prefill: int, context: int) -> Measured:
-    seconds = TRUTH.step_s(prefill, 1, context) + ROUND_TRIP_S
+    seconds = _prefill_s(prefill, context) + ROUND_TRIP_S
     return Measured(StepSample(prefill, 1, context, seconds, "prefill"), round_trip=True)
 
 
@@ -37,11 +47,11 @@ def test_the_round_trip_is_fitted_apart_from_base_s() -> None:
                 + [_decode(s, c) for s in (1, 4, 16, 32) for c in (s * 500, s * 2000)])
     fit, round_trip, steps = fit_with_round_trip(measured)
     assert round_trip == pytest.approx(ROUND_TRIP_S, rel=1e-6)
-    for name in ("base_s", "prefill_token_s", "seq_s", "context_token_s"):
+    for name in COEFFICIENTS:
         assert getattr(fit, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
     assert fit.r_squared == pytest.approx(1.0)
     # the steps fitted are the TTFTs less the round trip, the decode steps as measured
-    assert steps[0].seconds == pytest.approx(TRUTH.step_s(128, 1, 128))
+    assert steps[0].seconds == pytest.approx(_prefill_s(128, 128))
     assert steps[-1].seconds == measured[-1].sample.seconds
 
 
@@ -85,12 +95,23 @@ def test_the_grid_fits_a_small_worker() -> None:
     assert plan(grid, info, max_num_seqs=128, max_num_batched_tokens=256).longest == 256
 
 
-def test_the_prefill_attention_check_finds_attention_the_model_leaves_out() -> None:
+def _calibration(measured: list[Measured]) -> Calibration:
+    fit, round_trip, steps = fit_with_round_trip(measured)
+    info = WorkerInfo("http://w", "tiny", "vllm", 1024, 64, 32)
+    the_plan = plan(GRIDS["short"], info, max_num_seqs=128, max_num_batched_tokens=2048)
+    return Calibration(info, the_plan, measured, fit, round_trip, steps)
+
+
+def test_the_report_gives_each_coefficient_its_unit_and_the_fit_without_prefill_attention() -> None:
     pair_s = 5e-8  # seconds per (new token, context token) pair, as vLLM CPU's tiny model shows
-    shapes = [(p, 1, p) for p in (64, 256, 512, 960)] + [(80, 1, 560), (260, 1, 740)] + \
-             [(0, s, s * c) for s in (1, 4, 8) for c in (160, 520)]
-    steps = [StepSample(p, s, c, TRUTH.step_s(p, s, c) + pair_s * p * (c - p / 2)) for p, s, c in shapes]
-    r_squared, found = prefill_attention_check(steps)
-    assert found == pytest.approx(pair_s, rel=1e-6) and r_squared == pytest.approx(1.0)
-    plain = [StepSample(p, s, c, TRUTH.step_s(p, s, c)) for p, s, c in shapes]
-    assert prefill_attention_check(plain)[1] == pytest.approx(0.0, abs=1e-15)
+    shapes = [(p, p) for p in (64, 256, 512, 960)] + [(80, 560), (260, 740)]
+    measured = [Measured(StepSample(p, 1, c, TRUTH.step_s(p, 1, c) + pair_s * p * (c - p / 2)
+                                    + ROUND_TRIP_S, "prefill"), round_trip=True) for p, c in shapes]
+    measured += [_decode(s, s * c) for s in (1, 4, 8) for c in (160, 520)]
+    calibration = _calibration(measured)
+    assert calibration.fit.prefill_attention_s == pytest.approx(pair_s, rel=1e-6)
+    text = report(calibration)
+    assert "prefill_attention_s" in text and "50 ns/token pair" in text
+    assert "R² 1.0000" in text
+    without = re.search(r"without prefill attention \(prefill_attention_s held at 0\): R² ([0-9.]+)", text)
+    assert without is not None and float(without.group(1)) < 0.99, text

@@ -94,7 +94,8 @@ def test_run_grid_skips_points_predicted_to_overrun_and_stops_when_spent() -> No
         clock.now += 10 * step_s(point)
         return step_s(point)
 
-    points = [cold_prefill(64), decode(1, 512), cached_prefill(64, 1024), decode(8, 2048),
+    # five points first: the fit that predicts the rest has five coefficients
+    points = [cold_prefill(64), decode(1, 512), cached_prefill(64, 1024), decode(8, 2048), cold_prefill(256),
               cold_prefill(8192),  # 10 × ~0.83 s: predicted to overrun what is left
               decode(2, 1024), cold_prefill(128)]
     run = run_grid(points, measure, deadline=3.0, clock=clock, steps_per_point=10)

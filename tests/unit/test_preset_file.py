@@ -17,7 +17,8 @@ MEASURED = Provenance("measured", "vLLM 0.32 CPU, tiny Qwen2, 2 cores", "sluice 
 
 
 def test_a_preset_comes_back_as_it_was_written(tmp_path):
-    model = dataclasses.replace(preset("llama3.1-8b-h100"), name="my-h100", provenance=MEASURED)
+    model = dataclasses.replace(preset("llama3.1-8b-h100"), name="my-h100", prefill_attention_s=4.5e-8,
+                                provenance=MEASURED)
     path = tmp_path / "presets" / "my.yaml"
     write_preset_file(model, path)
     assert read_preset_file(path) == dataclasses.replace(model, kv_offload_gib=0.0)
@@ -30,7 +31,20 @@ def test_a_datasheet_preset_says_so_in_its_file(tmp_path):
     assert "kind: datasheet" in path.read_text() and read_preset_file(path).provenance.kind == "datasheet"
 
 
+def test_a_file_written_before_the_prefill_attention_term_reads_with_it_at_zero(tmp_path):
+    path = tmp_path / "older.yaml"
+    model = dataclasses.replace(preset("llama3.1-8b-h100"), name="older", provenance=MEASURED)
+    write_preset_file(model, path)
+    document = yaml.safe_load(path.read_text())
+    del document["prefill_attention_s"]
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    read = read_preset_file(path)
+    assert read.prefill_attention_s == 0.0
+    assert read == dataclasses.replace(model, kv_offload_gib=0.0)
+
+
 @pytest.mark.parametrize(("edit", "message"), [
+    (("prefill_attention_s", -1e-9), "prefill_attention_s: Input should be greater than or equal to 0"),
     (("base_s", -1.0), "base_s: Input should be greater than or equal to 0"),
     (("seq_s", "fast"), "seq_s: Input should be a valid number"),
     (("surprise", 1), "surprise: Extra inputs are not permitted"),
