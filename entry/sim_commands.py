@@ -271,8 +271,9 @@ ShownFileOption = Annotated[Path | None, typer.Option(
 
 
 def list_presets(preset_file: ShownFileOption = None) -> None:
-    """List the step-time presets: each one's KV pool, its decode step, and where its numbers
-    come from (datasheets, or measured: on what, by what command, how well the fit held)."""
+    """List the step-time presets: each one's KV pool, its decode and prefill costs, and where
+    its numbers come from (datasheets, or measured: on what, by what command, how well the fit
+    held)."""
     if preset_file is None:
         shown = list(presets().values())
     else:
@@ -281,9 +282,19 @@ def list_presets(preset_file: ShownFileOption = None) -> None:
         except ConfigError as err:
             raise usage_error(str(err)) from None
     for model in shown:
-        typer.echo(f"{model.name:<22} {model.description}; KV pool {model.kv_capacity_tokens:,} tokens, "
-                   f"decode step {model.base_s * 1e3:.1f} ms + {model.context_token_s * 1e9:.0f} ns/context token")
+        typer.echo(f"{model.name:<22} {model.description}; KV pool {model.kv_capacity_tokens:,} tokens")
+        typer.echo(f"{'':<22} {_costs_line(model)}")
         typer.echo(f"{'':<22} {_provenance_line(model)}")
+
+
+def _costs_line(model: StepTimeModel) -> str:
+    """What ``model`` charges a step: a decode step's fixed part and its KV reads, a prefill's
+    per prompt token and, where the model prices it, per attention pair (each new token over the
+    context before it)."""
+    attention = (f" + {model.prefill_attention_s * 1e9:.3g} ns/attention pair"
+                 if model.prefill_attention_s > 0 else " (no attention term)")
+    return (f"decode step {model.base_s * 1e3:.1f} ms + {model.context_token_s * 1e9:.0f} ns/context token; "
+            f"prefill {model.prefill_token_s * 1e6:.3g} µs/prompt token{attention}")
 
 
 def _provenance_line(model: StepTimeModel) -> str:

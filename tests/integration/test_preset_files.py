@@ -32,7 +32,7 @@ from tests.support.cli import assert_error, invoke
 REPO = Path(__file__).resolve().parents[2]
 MEASURED = dataclasses.replace(
     preset(DEFAULT_PRESET), name="calibrated-test", description="a made-up engine the test measured",
-    base_s=0.025, prefill_token_s=9e-5, seq_s=2e-4, context_token_s=1.1e-7,
+    base_s=0.025, prefill_token_s=9e-5, seq_s=2e-4, context_token_s=1.1e-7, prefill_attention_s=5e-9,
     kv_capacity_tokens=120_000, max_num_seqs=6, max_num_batched_tokens=4096,
     provenance=Provenance("measured", "tests: a made-up engine", "written by the test",
                           r_squared=0.97, max_relative_error=0.08, samples=24))
@@ -264,13 +264,16 @@ def test_presets_say_where_their_numbers_come_from(runner, preset_path):
     named = invoke(runner, "presets")
     assert named.exit_code == 0
     lines = named.stdout.splitlines()
-    assert len(lines) == 2 * len(presets())
-    for (first, second), name in zip(zip(lines[::2], lines[1::2]), presets()):
+    assert len(lines) == 3 * len(presets())
+    for (first, costs, source), name in zip(zip(lines[::3], lines[1::3], lines[2::3]), presets()):
         assert first.startswith(name)
-        assert second.split()[0] == "datasheet:"
+        assert costs.strip().startswith("decode step ") and costs.endswith("(no attention term)")
+        assert source.split()[0] == "datasheet:"
     shown = invoke(runner, "presets", "--file", preset_path)
     assert shown.exit_code == 0, shown.output
-    first, second = shown.stdout.splitlines()
+    first, costs, source = shown.stdout.splitlines()
     assert first.startswith("calibrated-test") and "KV pool 120,000 tokens" in first
-    assert second.strip() == ("measured: tests: a made-up engine; written by the test; "
+    assert costs.strip() == ("decode step 25.0 ms + 110 ns/context token; "
+                             "prefill 90 µs/prompt token + 5 ns/attention pair")
+    assert source.strip() == ("measured: tests: a made-up engine; written by the test; "
                               "fit R² 0.970, max relative error 8.0%, 24 samples")
