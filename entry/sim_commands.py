@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from entry.sim_options import (PresetFileOption, PresetOption, SchedulingPolicyOption,
-                               check_scheduling_policy, command_line, step_time_model)
+                               check_scheduling_policy, command_line, policy_costs, step_time_model)
 from entry.simworker_command import simworker
 from entry.trace_input import load_trace
 from entry.tune_command import tune
@@ -111,12 +111,13 @@ def sim(
     policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    costs = policy_costs(model, preset_file, policy_config, names)
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
         preset=model, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
         ceiling=ceiling, policy_config=policy_config,
         kv_offload_gib=_host_tier_gib(model, kv_offload_gib, host_tier),
-        scheduling_policy=scheduling_policy,
+        scheduling_policy=scheduling_policy, policy_costs=costs,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
@@ -124,7 +125,7 @@ def sim(
                   "workers": workers, **preset_record(model, preset_file), "duration_s": duration,
                   "seed": seed, "block_size": block_size, "policies": names, "ceiling": ceiling,
                   "kv_offload_gib": _host_tier_gib(model, kv_offload_gib, host_tier),
-                  "scheduling_policy": scheduling_policy}
+                  "scheduling_policy": scheduling_policy, **_costs_record(costs)}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
@@ -196,20 +197,27 @@ def replay(
         typer.echo(f"closed loop: {ConversationLoop(programs, concurrency).conversations:,} "
                    f"conversations, {concurrency:,} in flight at a time", err=True)
 
+    costs = policy_costs(model, preset_file, policy_config, names)
     results = run_policies(
         names, feed_for, workers=workers, preset=model, duration_s=cap, block_size=block_size,
         stop_when_done=True, label=f"replay {fmt} ", ceiling=ceiling, policy_config=policy_config,
         kv_offload_gib=_host_tier_gib(model, kv_offload_gib, host_tier),
-        scheduling_policy=scheduling_policy,
+        scheduling_policy=scheduling_policy, policy_costs=costs,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": command_line(), "format": fmt, "trace": str(trace), "workers": workers,
                   **preset_record(model, preset_file), "time_scale": time_scale, "block_size": block_size,
                   "policies": names, "ceiling": ceiling, "concurrency": concurrency, "duration_s": duration,
-                  "scheduling_policy": scheduling_policy, **loader_options}
+                  "scheduling_policy": scheduling_policy, **loader_options, **_costs_record(costs)}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
+
+
+def _costs_record(costs: dict[str, float] | None) -> dict[str, object]:
+    """What a result's ``config`` records of the policy cost terms its preset file gave (nothing
+    for a named preset, whose runs record what they always did)."""
+    return {} if costs is None else {"policy_costs": costs}
 
 
 def _replay_loader_options(fmt: str, timing: Optional[str], warm_prefix: Optional[float]

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from entry.usage_error import usage_error
-from scheduler.config import ConfigError
+from scheduler.config import ConfigError, PolicyConfig
 from sim.engine import SCHEDULING_POLICIES
 from sim.preset_file import read_preset_file
+from sim.runs import policy_cost_notes, preset_policy_costs
 from sim.step_time import DEFAULT_PRESET, StepTimeModel, presets
 
 SchedulingPolicyOption = Annotated[str, typer.Option(
@@ -51,6 +53,17 @@ def step_time_model(preset: str | None, preset_file: Path | None) -> StepTimeMod
     name = DEFAULT_PRESET if preset is None else preset
     check_preset(name)
     return presets()[name]
+
+
+def policy_costs(model: StepTimeModel, preset_file: Path | None, policy_config: PolicyConfig | None,
+                 policies: Sequence[str]) -> dict[str, float] | None:
+    """The policies' cost terms from a preset file's model (None with a named preset), saying
+    on stderr what each policy that has them takes and keeps."""
+    costs = preset_policy_costs(model, preset_file)
+    if costs is not None:
+        for note in policy_cost_notes(policy_config, policies, costs, "the preset file"):
+            typer.echo(note, err=True)
+    return costs
 
 
 def check_scheduling_policy(value: str) -> str:

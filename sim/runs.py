@@ -7,7 +7,7 @@ from the same seed, so differences come from the policy alone.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from sim.feeds import Batches, ClosedLoop, ProgramFeed
 from sim.programs import ProgramSpec
 from sim.report import Progress
 from sim.simulation import SimResult, Simulation
-from sim.step_time import PresetSpec, StepTimeModel, model_of
+from sim.step_time import PresetSpec, StepTimeModel, model_of, policy_cost_terms
 
 # The simulator's default block size. vLLM's GPU default is 16; 64 gives the same hit and
 # eviction pattern up to the last partial block of each prompt at a quarter of the cost
@@ -110,6 +110,7 @@ def run_policies(
     ceiling: bool = False,
     kv_offload_gib: float = 0.0,
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
+    policy_costs: Mapping[str, float] | None = None,
 ) -> list[SimResult]:
     """One result per policy, in order; with ``ceiling``, a last result named
     :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`).
@@ -117,7 +118,9 @@ def run_policies(
     (vLLM's native CPU offloading, ``--kv-offloading-size``), and tells the policies that know
     the tier (program_aware's ``retention.host_tier``, unless the config set it).
     ``scheduling_policy`` is every engine's vLLM ``--scheduling-policy`` (the ceiling's too).
-    ``preset`` is a named preset or a model (one read from a preset file)."""
+    ``preset`` is a named preset or a model (one read from a preset file). ``policy_costs``
+    (:func:`~sim.step_time.policy_cost_terms` of the preset) sets the cost terms of each
+    policy that has them and whose config leaves them unset (:func:`policy_costs_taken`)."""
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {scheduling_policy!r}")
@@ -129,6 +132,9 @@ def run_policies(
     results = []
     for shown, name, num_blocks in runs:
         policy_for_run = (policy_config or ProgramAwareConfig()).for_policy(name)
+        if policy_costs is not None:
+            policy_for_run = policy_for_run.model_copy(
+                update=policy_costs_taken(policy_for_run, policy_costs))
         if model.kv_offload_gib > 0:
             policy_for_run = policy_for_run.for_host_tier()  # the policy knows its fleet's tier
         policy = make_policy(policy_for_run)
@@ -145,6 +151,39 @@ def run_policies(
         if progress is not None:
             progress.close()
     return results
+
+
+def preset_policy_costs(model: StepTimeModel, preset_file: Path | str | None) -> dict[str, float] | None:
+    """The cost terms a run gives its policies from its preset: a preset file's model's (the
+    engine it was fitted to or written for), :func:`~sim.step_time.policy_cost_terms`. None for
+    a named preset: its policies keep their configured costs (autellix's defaults are the
+    llama3.1-8b-h100 preset's), so runs on the named presets stay as they were."""
+    return None if preset_file is None else policy_cost_terms(model)
+
+
+def policy_costs_taken(config: PolicyConfig, costs: Mapping[str, float]) -> dict[str, float]:
+    """The cost terms ``config`` takes from a preset's ``costs``: those its section has and its
+    file left unset (keys set explicitly win), where the preset prices them above 0 (a policy's
+    costs are positive; a term a fit put at 0 leaves the configured one)."""
+    return {key: value for key, value in costs.items()
+            if key in type(config).model_fields and key not in config.model_fields_set and value > 0}
+
+
+def policy_cost_notes(policy_config: PolicyConfig | None, policies: Sequence[str],
+                      costs: Mapping[str, float], source: str) -> list[str]:
+    """A line for each of ``policies`` that has cost terms: the ones it takes from ``source``
+    (the preset) and the ones it keeps as configured."""
+    notes = []
+    for name in policies:
+        config = (policy_config or ProgramAwareConfig()).for_policy(name)
+        terms = [key for key in costs if key in type(config).model_fields]
+        if not terms:
+            continue
+        taken = policy_costs_taken(config, costs)
+        parts = [f"{key} {value:.4g} from {source}" for key, value in taken.items()]
+        parts += [f"{key} {getattr(config, key):.4g} as configured" for key in terms if key not in taken]
+        notes.append(f"{name}: " + ", ".join(parts))
+    return notes
 
 
 def preset_record(model: StepTimeModel, preset_file: Path | str | None) -> dict[str, Any]:
@@ -164,5 +203,6 @@ def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: A
     return scale_times(programs, time_scale), block_size
 
 
-__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "preset_record",
-           "replay_programs", "run_policies", "scale_times", "trace_span_s", "workload_feed"]
+__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "policy_cost_notes",
+           "policy_costs_taken", "preset_policy_costs", "preset_record", "replay_programs", "run_policies",
+           "scale_times", "trace_span_s", "workload_feed"]

@@ -147,6 +147,32 @@ class StepTimeModel:
         return lo
 
 
+# The batch a policy's per-token service costs are priced at (policy_cost_terms): a decode
+# step of this many sequences, each attending over this many tokens of context. The H100
+# preset prices that step at 18.75 ms, near autellix's 20 ms default (its decode step under load).
+TYPICAL_DECODE_SEQS = 64
+TYPICAL_CONTEXT_TOKENS = 2048
+
+
+def policy_cost_terms(model: StepTimeModel) -> dict[str, float]:
+    """The per-token service costs of ``model`` that a policy estimating service from usage
+    takes (autellix's ``decode_token_s`` and ``prefill_token_s``), at a typical batch: a decode
+    step of :data:`TYPICAL_DECODE_SEQS` sequences with :data:`TYPICAL_CONTEXT_TOKENS` tokens of
+    context each (fewer where the model's ``max_num_seqs`` or KV pool holds less).
+
+    - ``decode_token_s``: that whole step, which an output token holds its call in;
+    - ``prefill_token_s``: what one more prompt token adds to a step: its matmuls, its KV in the
+      step's context, and its attention over the typical context.
+    """
+    seqs = min(TYPICAL_DECODE_SEQS, model.max_num_seqs)
+    context_each = max(1, min(TYPICAL_CONTEXT_TOKENS, model.kv_capacity_tokens // seqs))
+    return {
+        "decode_token_s": model.step_s(0, seqs, seqs * context_each),
+        "prefill_token_s": (model.prefill_token_s + model.context_token_s
+                            + model.prefill_attention_s * context_each),
+    }
+
+
 def _preset(name: str, description: str, *, weights_gb: float, active_params_b: float,
             kv_bytes_per_token: int, hbm_gb: float, bandwidth_tb_s: float,
             tflops: float = 989.0, gpus: int = 1) -> StepTimeModel:

@@ -19,7 +19,7 @@ from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_
 from sim.preset_file import read_preset_file
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,
-                      preset_record, run_policies, workload_feed)
+                      policy_cost_notes, preset_policy_costs, preset_record, run_policies, workload_feed)
 from sim.step_time import DEFAULT_PRESET, StepTimeModel, presets
 
 
@@ -128,6 +128,7 @@ def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
         ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
         scheduling_policy=sweep.scheduling_policy,
+        policy_costs=preset_policy_costs(sweep.step_time_model, sweep.preset_file),
     )
     row = {"concurrency": concurrency, **result.summary(),
            "marks": result.marks, "forced_resumes": result.forced_resumes,
@@ -139,6 +140,13 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
     out = Path(sweep.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     policies = list(sweep.policies) + ([CEILING] if sweep.ceiling else [])
+    model = sweep.step_time_model
+    # a preset file's engine prices the policies' cost terms (explicit keys in `policy:` win)
+    costs = preset_policy_costs(model, sweep.preset_file)
+    cost_notes = [] if costs is None else policy_cost_notes(policy_config, sweep.policies, costs,
+                                                            "the preset file")
+    for note in cost_notes:
+        sys.stderr.write(f"{note}\n")
     grid = [(sweep, policy_config, cc, policy) for cc in sweep.concurrency for policy in policies]
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=sweep.jobs) as pool:
@@ -148,8 +156,8 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
                              f"{row['output_tokens_per_s']:.0f} tok/s, hit {row['hit_rate']:.1%}\n")
             sys.stderr.flush()
     rows = with_ceiling_ratio(rows, group="concurrency")
-    model = sweep.step_time_model
-    config = {**sweep.model_dump(), **preset_record(model, sweep.preset_file)}
+    config = {**sweep.model_dump(), **preset_record(model, sweep.preset_file),
+              **({} if costs is None else {"policy_costs": costs})}
     (out / "results.json").write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
     table = format_markdown(rows, extra=("concurrency",))
     (out / "results.md").write_text(
@@ -158,7 +166,8 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
         f"({_preset_origin(model, sweep.preset_file)}), "
         f"{sweep.duration_s:.0f} s of simulated time per run, seed {sweep.seed}, "
         f"block size {sweep.block_size}, engines' scheduling policy {sweep.scheduling_policy}."
-        f"\n\n{table}\n"
+        + "".join(f"\n\nCost terms: {note}." for note in cost_notes)
+        + f"\n\n{table}\n"
     )
     plot_sweep(rows, out, sweep.name)
     return out

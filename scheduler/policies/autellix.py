@@ -58,6 +58,8 @@ An output token holds its call in the batch for one decode step; a prompt token 
 engine had to compute costs its share of a prefill; cached prompt tokens cost nothing.
 The defaults come from ``sim/step_time.py``'s ``llama3.1-8b-h100`` preset: 36 µs of
 prefill per token, and 20 ms per decode step (≈ 9 ms empty, ≈ 40 ms with a full KV pool).
+The simulator prices both from a preset file's engine where the config leaves them unset
+(``policy_cost_terms`` in sim/step_time.py).
 Keeping ``t_k`` in seconds keeps the queue bounds and β in the paper's units, and it
 weights decode against prefill the way the executor does. A call's waiting time is what
 its latency leaves once that service is taken out: ``W_c = max(0, latency − t_c)`` (its

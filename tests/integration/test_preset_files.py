@@ -1,6 +1,6 @@
 """Measured presets through the commands: ``--preset-file`` on ``sim``, ``replay``, ``tune`` and
-``simworker``, the sweep's ``preset_file:`` key, and ``sluice presets`` saying where each
-preset's numbers come from.
+``simworker``, the sweep's ``preset_file:`` key, ``sluice presets`` saying where each preset's
+numbers come from, and autellix's cost terms taken from a preset file.
 
 The preset file is written by the test with coefficients, a KV pool and batch limits unlike any
 named preset's, so a run that ignored part of it would not match the same model run in process.
@@ -23,10 +23,11 @@ import pytest
 from typer.testing import CliRunner
 
 from entry.ports import free_port
+from scheduler.config import AutellixConfig
 from sim.preset_file import write_preset_file
 from sim.report import with_ceiling_ratio
 from sim.runs import run_policies, workload_feed
-from sim.step_time import DEFAULT_PRESET, Provenance, preset, presets
+from sim.step_time import DEFAULT_PRESET, Provenance, policy_cost_terms, preset, presets
 from tests.support.cli import assert_error, invoke
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,6 +109,55 @@ def test_sim_with_a_preset_file_reports_the_rows_of_its_model_and_records_where_
         {"preset": DEFAULT_PRESET, "preset_file": None, "preset_provenance": "datasheet"}
 
 
+def test_autellix_takes_its_cost_terms_from_the_preset_file_unless_its_config_sets_them(
+        runner, tmp_path, preset_path, monkeypatch):
+    import sim.runs
+
+    made: list = []
+    make_policy = sim.runs.make_policy
+
+    def recording_make_policy(config):
+        made.append(config)
+        return make_policy(config)
+
+    monkeypatch.setattr(sim.runs, "make_policy", recording_make_policy)
+    costs = policy_cost_terms(MEASURED)
+    out = tmp_path / "autellix.json"
+    result = invoke(runner, *SIM, "--policy", "autellix", "--no-ceiling", "--preset-file", preset_path,
+                    "--json", out)
+    assert result.exit_code == 0, result.output
+    assert (made[0].decode_token_s, made[0].prefill_token_s) == \
+        (costs["decode_token_s"], costs["prefill_token_s"])
+    assert (f"autellix: decode_token_s {costs['decode_token_s']:.4g} from the preset file, "
+            f"prefill_token_s {costs['prefill_token_s']:.4g} from the preset file") in result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["policy_costs"] == costs
+    # the same as the policy configured with those costs, in process
+    configured = AutellixConfig(**costs)
+    expected = run_policies(["autellix"], lambda: workload_feed("swebench", 8, 7), workers=2, preset=MEASURED,
+                            duration_s=60, policy_config=configured, show_progress=False)
+    assert doc["results"] == json.loads(json.dumps([r.summary() for r in expected]))
+
+    # a key the policy config sets wins; the other still comes from the preset file
+    config = tmp_path / "sluice.yaml"
+    config.write_text("policy:\n  name: autellix\n  decode_token_s: 0.05\n")
+    made.clear()
+    result = invoke(runner, *SIM, "--policy", "autellix", "--no-ceiling", "--preset-file", preset_path,
+                    "--config", config)
+    assert result.exit_code == 0, result.output
+    assert (made[0].decode_token_s, made[0].prefill_token_s) == (0.05, costs["prefill_token_s"])
+    assert "decode_token_s 0.05 as configured" in result.stderr
+
+    # a named preset leaves the policy's configured costs, and its record as it was
+    made.clear()
+    named = tmp_path / "named.json"
+    result = invoke(runner, *SIM, "--policy", "autellix", "--no-ceiling", "--json", named)
+    assert result.exit_code == 0, result.output
+    assert (made[0].decode_token_s, made[0].prefill_token_s) == (0.02, 3.6e-5)
+    assert "from the preset file" not in result.stderr
+    assert "policy_costs" not in json.loads(named.read_text())["config"]
+
+
 def test_replay_checks_the_trace_against_the_preset_files_pool(runner, tmp_path, preset_path):
     # 150,010 tokens fit the named preset's 426,483-token pool but not the file's 120,000
     trace = mooncake_trace(tmp_path / "mc.jsonl", 150_000)
@@ -186,6 +236,24 @@ def test_sweep_preset_file_key_is_read_beside_the_sweep_file(runner, tmp_path, p
         {"preset": "calibrated-test", "preset_file": str(preset_path), "preset_provenance": "measured"}
     assert f"preset `calibrated-test` ({preset_path}, measured)" in \
         (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_sweep_on_a_preset_file_gives_autellix_its_cost_terms(runner, tmp_path, preset_path):
+    sweep = write_sweep(preset_path.parent, tmp_path / "out", preset_file="measured.yaml",
+                        policies="[autellix]", policy="{name: autellix, decode_token_s: 0.05}")
+    result = invoke(runner, "sweep", sweep)
+    assert result.exit_code == 0, result.output
+    costs = policy_cost_terms(MEASURED)
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["config"]["policy_costs"] == costs
+    # the run is autellix with the file's prefill cost and the sweep's own decode cost
+    configured = AutellixConfig(decode_token_s=0.05, prefill_token_s=costs["prefill_token_s"])
+    [expected] = run_policies(["autellix"], lambda: workload_feed("swebench", 8, 7), workers=2,
+                              preset=MEASURED, duration_s=60, policy_config=configured, show_progress=False)
+    assert doc["results"][0]["output_tokens_per_s"] == expected.summary()["output_tokens_per_s"]
+    note = (f"autellix: prefill_token_s {costs['prefill_token_s']:.4g} from the preset file, "
+            "decode_token_s 0.05 as configured")
+    assert note in result.stderr and f"Cost terms: {note}." in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_sweep_refuses_both_keys_and_a_bad_preset_file_naming_the_key(runner, tmp_path,
