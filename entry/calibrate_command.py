@@ -22,8 +22,11 @@ _DEFAULTS = StepTimeModel("defaults", "", 0.0, 0.0, 0.0, 0.0, 1)
 
 
 def calibrate(
-    worker: str = typer.Option(..., "--worker", help="Base URL of a running OpenAI-compatible worker "
-                                                     "(vLLM or `sluice simworker`), e.g. http://127.0.0.1:8000."),
+    worker: list[str] = typer.Option(..., "--worker", help="Base URL of a running OpenAI-compatible worker "
+                                                           "(vLLM or `sluice simworker`), e.g. http://127.0.0.1:8000. "
+                                                           "Repeat it to calibrate workers that share a host "
+                                                           "as they run in service: all at once, one preset "
+                                                           "fitted to every step (same model and KV pool)."),
     out: Path = typer.Option(..., "--out", help="Preset file to write (YAML; read by --preset-file)."),
     model: str | None = typer.Option(None, "--model", help="Served model to drive; default: the "
                                                               "first one /v1/models lists."),
@@ -51,8 +54,9 @@ def calibrate(
 ) -> None:
     """Measure a worker's step times (cold prefills, prefills behind a cached prefix, decode
     batches), fit the engine model's coefficients and write them as a measured preset."""
-    from entry.calibration_driver import GRIDS, CalibrationError, plot_residuals, report
+    from entry.calibration_driver import GRIDS, CalibrationError
     from entry.calibration_driver import calibrate as run
+    from entry.calibration_report import plot_residuals, report
     from sim.preset_file import write_preset_file
 
     if grid not in GRIDS:
@@ -74,16 +78,19 @@ def calibrate(
         raise typer.Exit(code=1) from None
     typer.echo(report(calibration))
     fit, info = calibration.fit, calibration.info
+    workers = calibration.workers or (info,)
+    urls = ", ".join(w.url for w in workers)
     how = (f"sluice {shlex.join(sys.argv[1:])}: grid {grid}, {fit.samples} steps, non-negative relative "
            f"least squares; request round trip {calibration.round_trip_s * 1e3:.3f} ms removed from TTFTs")
     preset = StepTimeModel(
         name=name or f"calibrated-{info.model}",
-        description=f"fitted to {info.model} at {info.url}",
+        description=f"fitted to {info.model} at {urls}"
+                    + (f", {len(workers)} workers measured at once" if len(workers) > 1 else ""),
         base_s=fit.base_s, prefill_token_s=fit.prefill_token_s, seq_s=fit.seq_s,
         context_token_s=fit.context_token_s, prefill_attention_s=fit.prefill_attention_s,
         kv_capacity_tokens=info.kv_capacity_tokens, block_size=info.block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        provenance=Provenance("measured", where or info.describe(), how, r_squared=fit.r_squared,
+        provenance=Provenance("measured", where or "; ".join(w.describe() for w in workers), how, r_squared=fit.r_squared,
                               max_relative_error=fit.max_relative_error, samples=fit.samples))
     if plot is not None:
         plot_residuals(calibration, plot)

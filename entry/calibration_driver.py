@@ -12,8 +12,11 @@ kinds of request each isolate a kind of step, sent to an otherwise idle worker:
 - *cached prefill*: a prefix is sent first, then the prefix, a nonce and ``n`` new tokens. The
   worker reports how many prompt tokens it found cached (``h``), so the step is
   ``P = p − h, S = 1, C = p``: attention over the whole context, compute for the new part.
-- *decode*: a prefix of ``c`` tokens is cached, then ``S`` streams (the prefix plus a short
-  tail of their own, so their prefills are cheap) decode together. Once every stream has its
+- *decode*: ``S`` prefixes of ``c`` tokens each are cached, then ``S`` streams (each its own
+  prefix and a short tail, so their prefills are cheap) decode together. Each its own: agents'
+  contexts are distinct, and one prefix shared by the batch is read once into a CPU's caches,
+  which makes attention over it measure cheaper (on the tiny vLLM CPU model, 4 streams over
+  1,536 tokens each: 9.3 ms a step over their own prefixes, 7.7 ms over a shared one). Once every stream has its
   first token and none has finished, each step is ``P = 0``, ``S`` sequences, and a context
   growing by ``S`` tokens a step; the mean step over that window is the time between two
   token counts of a stream divided by the tokens between them (``continuous_usage_stats``
@@ -37,6 +40,7 @@ that, and every sample uses the counts the worker reports for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -50,13 +54,11 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim.calibration import (
-    COEFFICIENTS,
     FitError,
     StepSample,
     StepTimeFit,
     fit_step_time,
     nonnegative_relative_fit,
-    r_squared_without_prefill_attention,
 )
 
 # Common English words that every byte-level BPE splits predictably (most into one token);
@@ -66,6 +68,11 @@ _FILLER = ["cache", "block", "token", "prompt", "prefix", "model", "request", "r
 
 class CalibrationError(RuntimeError):
     """The worker failed, refused, or answered something calibration cannot use."""
+
+
+class StreamsApart(CalibrationError):
+    """A decode batch's streams did not decode together long enough to time a step (the worker
+    started them too far apart, as a busy host can): that try is lost, not the calibration."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +338,7 @@ class Plan:
     @property
     def requests(self) -> int:
         return self.repeats * (len(self.cold) + sum(1 + len(new) for _, new in self.cached)
-                               + sum(1 + seqs for seqs, _ in self.decode))
+                               + sum(2 * seqs for seqs, _ in self.decode))
 
 
 def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
@@ -356,7 +363,7 @@ def plan(grid: Grid, info: WorkerInfo, max_num_seqs: int, max_num_batched_tokens
         context = max(16, round(longest * fraction))
         for seqs in grid.decode_seqs:
             per_stream = math.ceil((2 * _TAIL_TOKENS + grid.decode_tokens) / bs) + 1
-            blocks = math.ceil(context / bs) + seqs * per_stream
+            blocks = seqs * (math.ceil(context / bs) + per_stream)
             if seqs > max_num_seqs or blocks > pool_blocks:
                 skipped.append(f"decode {seqs} × {context} tokens (needs {blocks} KV blocks of "
                                f"{pool_blocks} usable, or more than {max_num_seqs} sequences)")
@@ -379,9 +386,11 @@ async def measure(worker: Worker, the_plan: Plan, grid: Grid, time_scale: float,
     total = the_plan.requests
     repeats = the_plan.repeats
     tries: dict[tuple[int, ...], list[Measured]] = {}
+    lost: list[str] = []  # decode tries whose streams did not run together
     # each prefix's text is the same in every pass, so it is cached once sent
     cached_prefixes = {tokens: prompts.fresh(tokens) for tokens, _ in the_plan.cached}
-    decode_prefixes = {context: prompts.fresh(context) for _, context in the_plan.decode}
+    decode_prefixes = {(seqs, context): [prompts.fresh(context) for _ in range(seqs)]
+                       for seqs, context in the_plan.decode}
 
     def keep(key: tuple[int, ...], sample: Measured, what: str, requests: int = 1) -> None:
         tries.setdefault(key, []).append(sample)
@@ -408,15 +417,29 @@ async def measure(worker: Worker, the_plan: Plan, grid: Grid, time_scale: float,
                      f"prefill of {sample.sample.prefill_tokens} tokens behind {cached} cached")
 
         for seqs, context in the_plan.decode:
-            prefix = decode_prefixes[context]
-            await worker.complete(prefix, 1, f"decode batch (its prefix of {context} tokens)")
-            next(done)
-            what = f"decode batch of {seqs} over {context} tokens"
-            tails = [prompts.extend(f"{prefix} {prompts.nonce()}", _TAIL_TOKENS // 2) for _ in range(seqs)]
+            prefixes = decode_prefixes[(seqs, context)]
+            # sent again in every pass (a small pool may have evicted them since); not samples
+            await asyncio.gather(*(worker.complete(prefix, 1, f"decode batch (a prefix of {context} tokens)")
+                                   for prefix in prefixes))
+            for _ in prefixes:
+                next(done)
+            what = f"decode batch of {seqs} over {context} tokens each"
+            tails = [prompts.extend(f"{prefix} {prompts.nonce()}", _TAIL_TOKENS // 2) for prefix in prefixes]
             results = await asyncio.gather(*(worker.complete(tail, grid.decode_tokens, what) for tail in tails))
-            sample = _decode_sample(results, time_scale, what)
+            try:
+                sample = _decode_sample(results, time_scale, what)
+            except StreamsApart as apart:
+                lost.append(str(apart))
+                for _ in range(seqs):
+                    next(done)
+                progress(f"pass {attempt + 1}/{repeats}: {apart} (left to the other passes)")
+                continue
             keep((2, seqs, context), sample, f"{what}: mean step over {sample.sample.context_tokens} context tokens",
                  seqs)
+    missing = [f"decode batch of {seqs} over {context} tokens" for seqs, context in the_plan.decode
+               if (2, seqs, context) not in tries]
+    if missing:
+        raise CalibrationError(f"no pass could time {', '.join(missing)}: {lost[-1]}")
     return [min(samples, key=lambda m: m.sample.seconds) for samples in tries.values()]
 
 
@@ -460,7 +483,7 @@ def _decode_sample(results: Sequence[StreamResult], time_scale: float, what: str
     for result in results:
         inside = [(t, n) for t, n in result.points if start <= t <= end]
         if len(inside) < 2 or inside[-1][1] - inside[0][1] < _MIN_WINDOW_STEPS:
-            raise CalibrationError(f"{what}: the streams decoded together for fewer than {_MIN_WINDOW_STEPS} "
+            raise StreamsApart(f"{what}: the streams decoded together for fewer than {_MIN_WINDOW_STEPS} "
                                    "steps (did the worker serve them one after another?)")
         (t1, n1), (t2, n2) = inside[0], inside[-1]
         if not t2 > t1:
@@ -475,12 +498,23 @@ def _decode_sample(results: Sequence[StreamResult], time_scale: float, what: str
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    info: WorkerInfo
+    info: WorkerInfo  # the first worker's (all of them serve the same model and pool)
     plan: Plan
     measured: list[Measured]
     fit: StepTimeFit
     round_trip_s: float
     samples: list[StepSample]  # the steps fitted (TTFTs less the round trip)
+    # every worker measured, and how many of ``samples`` (in order) each gave
+    workers: tuple[WorkerInfo, ...] = ()
+    samples_per_worker: tuple[int, ...] = ()
+
+    def worker_samples(self) -> list[tuple[WorkerInfo, list[StepSample]]]:
+        """Each worker with the fitted steps it gave."""
+        out, start = [], 0
+        for info, count in zip(self.workers, self.samples_per_worker):
+            out.append((info, self.samples[start:start + count]))
+            start += count
+        return out
 
 
 def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, float, list[StepSample]]:
@@ -502,71 +536,66 @@ def fit_with_round_trip(measured: Sequence[Measured]) -> tuple[StepTimeFit, floa
     return fit_step_time(steps), round_trip, steps
 
 
-async def calibrate(url: str, *, model: str | None, grid: Grid, time_scale: float, timeout_s: float,
-                    max_num_seqs: int, max_num_batched_tokens: int, progress: Progress) -> Calibration:
-    """Everything but writing: read the worker, measure the plan, fit."""
-    url = url.rstrip("/")
+async def calibrate(urls: str | Sequence[str], *, model: str | None, grid: Grid, time_scale: float,
+                    timeout_s: float, max_num_seqs: int, max_num_batched_tokens: int,
+                    progress: Progress) -> Calibration:
+    """Everything but writing: read the workers, measure the plan on all of them at once, fit
+    one model to every step.
+
+    Several workers are driven together, as they run in service: where they share a host (CPU
+    workers, or GPUs behind one CPU) each one's steps then carry the others' interference,
+    which an idle worker's would not. They must serve the same model with the same KV pool,
+    or one preset could not stand for them."""
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls:
+        raise CalibrationError("no worker to calibrate")
+    urls = [url.rstrip("/") for url in urls]
+    if len(set(urls)) != len(urls):
+        raise CalibrationError(f"a worker is named twice: {', '.join(urls)}")
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False,
-                                 limits=httpx.Limits(max_connections=256)) as client:
-        info = await read_worker_info(client, url, model)
-        progress(f"worker: {info.describe()}")
-        the_plan = plan(grid, info, max_num_seqs, max_num_batched_tokens)
+                                 limits=httpx.Limits(max_connections=256 * len(urls))) as client:
+        infos = [await read_worker_info(client, url, model) for url in urls]
+        for info in infos:
+            progress(f"worker: {info.describe()}")
+        _check_alike(infos)
+        lengths = [info.max_model_len for info in infos if info.max_model_len]
+        first = dataclasses.replace(infos[0], max_model_len=min(lengths) if lengths else None)
+        the_plan = plan(grid, first, max_num_seqs, max_num_batched_tokens)
         for note in the_plan.skipped:
             progress(f"skipped: {note}")
-        progress(f"grid {grid.name}: prompts up to {the_plan.longest} tokens, {the_plan.requests} requests "
-                 f"(time scale {time_scale:g})")
-        measured = await measure(Worker(client, info), the_plan, grid, time_scale, progress)
+        together = f" on {len(infos)} workers at once" if len(infos) > 1 else ""
+        progress(f"grid {grid.name}: prompts up to {the_plan.longest} tokens, {the_plan.requests} requests"
+                 f"{together} (time scale {time_scale:g})")
+        per_worker: list[list[Measured]] = [[] for _ in infos]
+
+        async def measure_one(i: int) -> None:
+            def tagged(line: str) -> None:
+                progress(f"{infos[i].url}: {line}" if len(infos) > 1 else line)
+            per_worker[i] = await measure(Worker(client, infos[i]), the_plan, grid, time_scale, tagged)
+
+        # a task group: the first worker that fails stops the others, and its error is the one
+        # the command reports
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i in range(len(infos)):
+                    group.create_task(measure_one(i))
+        except* CalibrationError as failed:
+            raise failed.exceptions[0] from None
+    measured = [m for samples in per_worker for m in samples]
     try:
         fit, round_trip, steps = fit_with_round_trip(measured)
     except FitError as err:
         raise CalibrationError(f"the measurements cannot be fitted: {err}") from None
-    return Calibration(info, the_plan, measured, fit, round_trip, steps)
+    return Calibration(infos[0], the_plan, measured, fit, round_trip, steps, tuple(infos),
+                       tuple(len(samples) for samples in per_worker))
 
 
-def report(calibration: Calibration, worst: int = 5) -> str:
-    """The fit as text: coefficients, quality, the round trip, the worst samples."""
-    fit = calibration.fit
-    units = {"base_s": ("ms", 1e3), "prefill_token_s": ("µs/token", 1e6), "seq_s": ("µs/seq", 1e6),
-             "context_token_s": ("ns/token", 1e9), "prefill_attention_s": ("ns/token pair", 1e9)}
-    lines = [f"step-time fit to {fit.samples} steps of {calibration.info.model} at {calibration.info.url}:"]
-    for name in COEFFICIENTS:
-        unit, scale = units[name]
-        lines.append(f"  {name:<19} {getattr(fit, name):.6g}  ({getattr(fit, name) * scale:.4g} {unit})")
-    lines.append(f"  R² {fit.r_squared:.4f}, max relative error {fit.max_relative_error:.1%}")
-    lines.append(f"  request round trip {calibration.round_trip_s * 1e3:.3f} ms (removed from the TTFTs)")
-    lines.append(f"  without prefill attention (prefill_attention_s held at 0): R² "
-                 f"{r_squared_without_prefill_attention(calibration.samples):.4f}")
-    errors = fit.relative_errors(calibration.samples)
-    order = sorted(range(len(errors)), key=lambda i: -abs(errors[i]))[:worst]
-    lines.append("  worst samples (kind, P, S, C: measured → predicted):")
-    for i in order:
-        s = calibration.samples[i]
-        lines.append(f"    {s.kind:<15} P={s.prefill_tokens:<6} S={s.seqs:<3} C={s.context_tokens:<7} "
-                     f"{s.seconds * 1e3:9.3f} ms → {fit.predict(s) * 1e3:9.3f} ms ({errors[i]:+.1%})")
-    return "\n".join(lines)
-
-
-def plot_residuals(calibration: Calibration, path) -> None:
-    """Relative error of each sample against its measured time, one colour per kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fit = calibration.fit
-    errors = fit.relative_errors(calibration.samples)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for kind in sorted({s.kind for s in calibration.samples}):
-        points = [(s.seconds * 1e3, e * 100) for s, e in zip(calibration.samples, errors) if s.kind == kind]
-        axes.scatter(*zip(*points), label=kind, s=18)
-    axes.axhline(0, color="grey", linewidth=0.8)
-    axes.set_xscale("log")
-    axes.set_xlabel("measured step (ms)")
-    axes.set_ylabel("(predicted − measured) / measured (%)")
-    axes.set_title(f"{calibration.info.model}: R² {fit.r_squared:.4f}, "
-                   f"max |error| {fit.max_relative_error:.1%}")
-    axes.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+def _check_alike(infos: Sequence[WorkerInfo]) -> None:
+    first = infos[0]
+    for info in infos[1:]:
+        for what, mine, theirs in (("model", info.model, first.model),
+                                   ("KV blocks", info.num_gpu_blocks, first.num_gpu_blocks),
+                                   ("block size", info.block_size, first.block_size)):
+            if mine != theirs:
+                raise CalibrationError(f"{info.url} has {what} {mine}, {first.url} {theirs}: one preset "
+                                       "stands for workers alike; calibrate them apart")

@@ -49,13 +49,17 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
 
 def calibrate(fleet: Fleet, out: Path) -> str:
-    """Fit the step model to the first worker (idle: nothing else runs yet)."""
-    command = [sys.executable, "-m", "entry.cli", "calibrate", "--worker", fleet.workers[0].url,
-               "--out", str(out), "--grid", "short", "--plot", str(out.with_suffix(".png")),
+    """Fit the step model to every worker at once, before any policy runs: on a shared host
+    each worker's steps then carry the others' load, as they do during the runs."""
+    workers = [arg for worker in fleet.workers for arg in ("--worker", worker.url)]
+    command = [sys.executable, "-m", "entry.cli", "calibrate", *workers, "--out", str(out),
+               "--grid", "full", "--plot", str(out.with_suffix(".png")),
                "--max-num-seqs", str(CPU_MAX_NUM_SEQS),
                "--max-num-batched-tokens", str(CPU_MAX_NUM_BATCHED_TOKENS),
-               "--name", "tiny-vllm-cpu"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+               "--name", "tiny-vllm-cpu", "--where", "vllm-cpu 0.32, the tiny dummy-weight model "
+               f"(scripts/make_tiny_model.py), {len(fleet.workers)} workers on a {os.cpu_count()}-CPU host, "
+               f"{fleet.num_blocks} KV blocks of {BLOCK_SIZE} tokens each"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"calibrate failed:\n{result.stderr[-3000:]}")
     return result.stdout
@@ -99,7 +103,7 @@ def main(policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated po
         try:
             if preset_file is None:
                 preset_file = out / "preset.yaml"
-                typer.echo(f"calibrating on {fleet.workers[0].url} (sluice calibrate --grid short)", err=True)
+                typer.echo("calibrating every worker at once (sluice calibrate --grid full)", err=True)
                 typer.echo(calibrate(fleet, preset_file), err=True)
             model = read_preset_file(preset_file)
             for number, policy in enumerate(chosen):

@@ -25,6 +25,25 @@ def _sim_mean(comparison: Comparison, key: str) -> float:
     return sum(values) / len(values)
 
 
+def _steps(c: Comparison) -> dict[str, float]:
+    """The engines' iterations in both shells: how many, their mean length and how many
+    tokens each computed. Live, the mean is the run's engine-seconds over the steps, an upper
+    bound (an idle engine counts); simulated, the engines' busy time over their steps."""
+    live, sim = c.live.diagnostics, c.simulated[0].diagnostics
+    out: dict[str, float] = {}
+    if live.get("engine_steps"):
+        out["live_steps"] = live["engine_steps"]
+        out["live_step_ms"] = c.live.duration_s * live["engine_workers"] / live["engine_steps"] * 1e3
+        out["live_tokens_per_step"] = live["engine_step_tokens"] / live["engine_steps"]
+    if sim.get("engine_steps"):
+        run = c.simulated[0]
+        computed = run.prompt_tokens - run.cached_tokens + run.output_tokens
+        out["sim_steps"] = sim["engine_steps"]
+        out["sim_step_ms"] = sim["engine_busy_s"] / sim["engine_steps"] * 1e3
+        out["sim_tokens_per_step"] = computed / sim["engine_steps"]
+    return out
+
+
 def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
     out = []
     for c in comparisons:
@@ -39,6 +58,7 @@ def rows(comparisons: list[Comparison]) -> list[dict[str, Any]]:
             "sim_reprefill": _sim_mean(c, "reprefill_at_admission"),
             "live_p99_s": c.live.latency_quantile(0.99), "sim_p99_s": _sim_mean(c, "p99"),
             "live_calls": c.live.calls_completed, "errors": c.live.diagnostics.get("errors", 0),
+            **_steps(c),
         })
     return out
 
@@ -97,16 +117,16 @@ def report(command: str, setup: RunSetup, model: StepTimeModel, preset_file: Pat
         f"{shape.opening_tokens[1]} tokens, {shape.calls[0]}–{shape.calls[1]} calls of "
         f"{shape.output_tokens[0]}–{shape.output_tokens[1]} output tokens, tool results of "
         f"{shape.tool_tokens[0]}–{shape.tool_tokens[1]} tokens after {shape.tool_s[0]:g}–"
-        f"{shape.tool_s[1]:g} s. Simulated: the same programs on the preset fitted to worker w0 "
+        f"{shape.tool_s[1]:g} s. Simulated: the same programs on the preset fitted to the workers, "
+        "all measured at once before the runs "
         f"(`{preset_file.name}`: R² {fit.r_squared if fit.r_squared is not None else float('nan'):.3f}, "
         f"base {model.base_s * 1e3:.2f} ms, {model.prefill_token_s * 1e6:.2f} µs/prompt token, "
         f"{model.seq_s * 1e6:.1f} µs/sequence, {model.context_token_s * 1e9:.1f} ns/context token"
-        + (f", {model.prefill_attention_s * 1e9:.3f} ns/prefill token pair"
-           if getattr(model, "prefill_attention_s", 0.0) else "")
+        + f", {model.prefill_attention_s * 1e9:.1f} ns/prefill token pair"
         + "), mean of 4 runs with the first programs' starts 0–4 ms apart.",
         "",
-        "| policy | output tok/s live | sim | error | hit rate live | sim | error (pt) | "
-        "re-prefill tokens live | sim | p99 call s live | sim | calls live | errors |",
+        ("| policy | output tok/s live | sim | error | hit rate live | sim | error (pt) | "
+         "re-prefill tokens live | sim | p99 call s live | sim | calls live | errors |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
@@ -131,6 +151,15 @@ def report(command: str, setup: RunSetup, model: StepTimeModel, preset_file: Pat
                      f"output tok/s ({v['best_baseline']})"
                      + (f", hit rate {v['live_hit_over_kv_aware_points']:+.1f} points over kv_aware"
                         if "live_hit_over_kv_aware_points" in v else "") + ".")
+    if all("live_step_ms" in r and "sim_step_ms" in r for r in table):
+        lines += ["", ("The engines' iterations (live from vLLM's `iteration_tokens` histogram; its mean step is "
+                       "the run's engine-seconds over the steps, an upper bound):"), "",
+                  "| policy | steps live | sim | mean step ms live | sim | live / sim | tokens per step live | sim |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in table:
+            lines.append(f"| {r['policy']} | {r['live_steps']:,} | {r['sim_steps']:,} | {r['live_step_ms']:.1f} | "
+                         f"{r['sim_step_ms']:.1f} | {r['live_step_ms'] / r['sim_step_ms']:.2f} | "
+                         f"{r['live_tokens_per_step']:.0f} | {r['sim_tokens_per_step']:.0f} |")
     lines += ["", "Every metric, live and simulated (the simulated runs' mean and range):", "",
               *comparison_table(comparisons)]
     return "\n".join(lines) + "\n"

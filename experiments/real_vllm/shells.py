@@ -13,7 +13,6 @@ queue order and policy config, and the step-time model fitted to these workers.
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -239,7 +238,7 @@ def _live_run(setup: RunSetup, policy: str, outcome: LiveOutcome, client_lag: di
     counters = outcome.counters
 
     def total(name: str) -> int:
-        return int(round(counters.get(name, 0.0) * scale))
+        return round(counters.get(name, 0.0) * scale)
 
     return ShellRun(
         shell="live", policy=policy, duration_s=setup.duration_s,
@@ -257,6 +256,10 @@ def _live_run(setup: RunSetup, policy: str, outcome: LiveOutcome, client_lag: di
             "programs_completed": outcome.programs_completed,
             "counters_read_at_s": [round(t, 3) for t in outcome.read_at_s],
             "directives_sent": total("sluice_directives_sent_total"),
+            # engine iterations and the tokens they computed (vLLM's iteration_tokens histogram)
+            "engine_steps": total("vllm:iteration_tokens_total_count"),
+            "engine_workers": setup.workers,
+            "engine_step_tokens": total("vllm:iteration_tokens_total_sum"),
             "loop_lag_wall_s": {"client": client_lag, "gateway": gateway.loop_lag},
             "cpu_s": {"gateway": gateway.cpu_s},
         })
@@ -299,13 +302,11 @@ def run_simulated(setup: RunSetup, policy: str, model: StepTimeModel, ramp_jitte
         preemptions=result.preemptions, reprefill_at_admission=at_admission,
         engine_reprefill=result.reprefill_tokens, latency_by_call=latency_by_call,
         diagnostics={"programs_completed": result.programs_completed,
-                     "programs_started": len(programs)})
+                     "programs_started": len(programs),
+                     "engine_steps": sum(engine.stats.steps for engine in simulation.engines),
+                     "engine_busy_s": round(sum(engine.stats.busy_s for engine in simulation.engines), 3)})
 
 
 def run_simulated_band(setup: RunSetup, policy: str, model: StepTimeModel,
                        jitters_s: Sequence[float] = SIM_RAMP_JITTERS_S) -> list[ShellRun]:
     return [run_simulated(setup, policy, model, jitter) for jitter in jitters_s]
-
-
-def finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None

@@ -102,21 +102,22 @@ def test_a_dead_worker_is_a_clear_error_and_no_file(tmp_path: Path) -> None:
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-METRICS = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
-           '# TYPE vllm:cache_config_info gauge\n'
-           'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n')
+def cache_metrics(blocks: int = 1000) -> str:
+    return ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+            '# TYPE vllm:cache_config_info gauge\n'
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n')
 
 
-def broken_worker(answer: str) -> Starlette:
+def broken_worker(answer: str, model: str = "m", blocks: int = 1000) -> Starlette:
     """A worker whose model list and metrics are fine but whose completions are not:
     ``"500"`` fails them, ``"no usage"`` streams tokens without any usage."""
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test",
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "owned_by": "test",
                                                          "max_model_len": 8192}]})
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(METRICS)
+        return PlainTextResponse(cache_metrics(blocks))
 
     async def completions(request: Request) -> Response:
         if answer == "500":
@@ -147,4 +148,47 @@ def test_a_worker_that_fails_or_answers_nonsense_stops_it(tmp_path: Path, answer
     assert result.returncode == 1, result.stdout
     assert f"error: probe: {message}" in result.stderr
     assert "engine died" in result.stderr or answer != "500"
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_workers_measured_at_once_give_one_fit(tmp_path: Path) -> None:
+    configs = [SimWorkerConfig(name=f"cal{i}", preset=TRUTH, num_blocks=BLOCKS, block_size=16, kv_events=None,
+                               time_scale=TIME_SCALE) for i in range(2)]
+    out = tmp_path / "fleet.yaml"
+    with serving(create_app(configs[0])) as first, serving(create_app(configs[1])) as second:
+        result = run_calibrate("--worker", first, "--worker", second, "--out", str(out), "--grid", "short",
+                               "--time-scale", str(TIME_SCALE), timeout=300)
+    assert result.returncode == 0, result.stderr
+    # both driven: progress lines of each, and the fit reports each one's share
+    for url in (first, second):
+        assert re.search(rf"^calibrate: {re.escape(url)}: \[\d+/\d+\]", result.stderr, re.MULTILINE), result.stderr
+        assert re.search(rf"^  {re.escape(url)}: (\d+) steps, R² ", result.stdout, re.MULTILINE), result.stdout
+    shares = [int(n) for n in re.findall(r"^  http://\S+: (\d+) steps", result.stdout, re.MULTILINE)]
+    fitted = read_preset_file(out)
+    assert fitted.provenance.samples == sum(shares) and len(shares) == 2 and shares[0] == shares[1]
+    assert first in fitted.provenance.where and second in fitted.provenance.where
+    assert "2 workers measured at once" in fitted.description
+    assert fitted.provenance.r_squared is not None and fitted.provenance.r_squared > 0.99
+    for name in ("base_s", "prefill_token_s", "context_token_s"):
+        assert abs(getattr(fitted, name) / getattr(TRUTH, name) - 1) < 0.05, (name, result.stdout)
+
+
+def test_workers_unlike_each_other_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "never.yaml"
+    with serving(broken_worker("500", blocks=1000)) as first, serving(broken_worker("500", blocks=2000)) as second:
+        result = run_calibrate("--worker", first, "--worker", second, "--out", str(out), timeout=60)
+    assert result.returncode == 1
+    assert f"error: {second} has KV blocks 2000, {first} 1000" in result.stderr
+    assert not out.exists()
+
+
+def test_one_failing_worker_stops_them_all(tmp_path: Path) -> None:
+    good = SimWorkerConfig(name="good", model="m", preset=TRUTH, num_blocks=1000, block_size=16, kv_events=None,
+                           time_scale=TIME_SCALE)
+    out = tmp_path / "never.yaml"
+    with serving(create_app(good)) as healthy, serving(broken_worker("500")) as failing:
+        result = run_calibrate("--worker", healthy, "--worker", failing, "--out", str(out), timeout=60)
+    assert result.returncode == 1, result.stdout
+    assert "error: probe: the worker answered 500: " in result.stderr and "engine died" in result.stderr
+    assert "Traceback" not in result.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -15,12 +15,13 @@ from entry.calibration_driver import (
     CalibrationError,
     Measured,
     StreamResult,
+    StreamsApart,
     WorkerInfo,
     _decode_sample,
     fit_with_round_trip,
     plan,
-    report,
 )
+from entry.calibration_report import report
 from sim.calibration import COEFFICIENTS, StepSample
 from sim.step_time import preset
 
@@ -75,7 +76,7 @@ def test_streams_that_never_decode_together_are_refused() -> None:
     a = StreamResult(sent_at=0.0, first_token_at=0.01, prompt_tokens=10, points=[(0.01 * k, k) for k in range(1, 20)])
     b = StreamResult(sent_at=0.0, first_token_at=0.5, prompt_tokens=10,
                      points=[(0.5 + 0.01 * k, k) for k in range(1, 20)])
-    with pytest.raises(CalibrationError, match="decoded together for fewer than"):
+    with pytest.raises(StreamsApart, match="decoded together for fewer than"):
         _decode_sample([a, b], time_scale=1.0, what="decode")
 
 
