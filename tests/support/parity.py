@@ -532,26 +532,31 @@ class ScriptedClient:
         """The gateway's and the workers' counters, summed over the workers, all read at
         once (``read_at_s`` says when)."""
         started = self.clock()
-        urls = [f"{self.gateway_url}/metrics", *(f"{url}/metrics" for url in self.worker_urls)]
-        texts: list[str] = [""] * len(urls)
-
-        async def read(i: int) -> None:
-            response = await http.get(urls[i])
-            response.raise_for_status()
-            texts[i] = response.text
-
-        async with anyio.create_task_group() as reads:
-            for i in range(len(urls)):
-                reads.start_soon(read, i)
+        counters = await read_counters(http, [self.gateway_url, *self.worker_urls])
         self.outcome.read_at_s = (started, self.clock())
-        counters: dict[str, float] = {}
-        for text in texts:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name.endswith("_created"):
-                        continue
-                    counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
         return counters
+
+
+async def read_counters(http: httpx.AsyncClient, base_urls: Sequence[str]) -> dict[str, float]:
+    """Every sample of every server's ``/metrics`` (read concurrently), summed by name over
+    the servers."""
+    texts: list[str] = [""] * len(base_urls)
+
+    async def read(i: int) -> None:
+        response = await http.get(f"{base_urls[i]}/metrics")
+        response.raise_for_status()
+        texts[i] = response.text
+
+    async with anyio.create_task_group() as reads:
+        for i in range(len(base_urls)):
+            reads.start_soon(read, i)
+    counters: dict[str, float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+    return counters
 
 
 def run_live(setup: ParitySetup, policy: str, kv_probe: bool = False) -> ShellRun:
