@@ -16,11 +16,13 @@ kinds of request each isolate a kind of step, sent to an otherwise idle worker:
   prefix and a short tail, so their prefills are cheap) decode together. Each its own: agents'
   contexts are distinct, and one prefix shared by the batch is read once into a CPU's caches,
   which makes attention over it measure cheaper (on the tiny vLLM CPU model, 4 streams over
-  1,536 tokens each: 9.3 ms a step over their own prefixes, 7.7 ms over a shared one). Once every stream has its
-  first token and none has finished, each step is ``P = 0``, ``S`` sequences, and a context
-  growing by ``S`` tokens a step; the mean step over that window is the time between two
-  token counts of a stream divided by the tokens between them (``continuous_usage_stats``
-  gives the exact count on every chunk, so tokens the worker sends in bursts count right).
+  1,536 tokens each: 9.3 ms a step over their own prefixes, 7.7 ms over a shared one). Besides
+  the grid's contexts, one and two streams decode at the longest context each can hold. Once
+  every stream has its first token and none has finished, each step is ``P = 0``, ``S``
+  sequences, and a context growing by ``S`` tokens a step; the mean step over that window is
+  the time between two token counts of a stream divided by the tokens between them
+  (``continuous_usage_stats`` gives the exact count on every chunk, so tokens the worker sends
+  in bursts count right).
 
 A TTFT also holds the request's round trip (HTTP, tokenizing, detokenizing), which an
 inter-token time does not. That is fitted as one more non-negative term, present only in the
