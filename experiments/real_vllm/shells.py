@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +23,22 @@ import anyio
 import httpx
 
 from experiments.real_vllm.workload import AgentProgram, AgentWorkload, WorkloadShape
-from scheduler.config import parse_policy_config
-from scheduler.policies import make_policy
-from sim.feeds import ClosedLoop
-from sim.simulation import Simulation
 from sim.step_time import StepTimeModel
 from tests.support.parity import (
     ADMIN_TOKEN,
+    SIM_RAMP_JITTERS_S,
+    CallRecord,
+    ClientOutcome,
     ServerProcess,
     ShellRun,
     read_counters,
     reprefill_at_admission,
+    simulate_closed_loop,
     wait_ready,
 )
 from tests.support.parity_servers import LoopLag, VirtualClock
 from tests.support.vllm_fleet import MODEL_NAME, Fleet
 
-# Offsets to the first programs' ramp (as the parity harness's): the spread of the simulated
-# runs is what timing noise alone does to each metric.
-SIM_RAMP_JITTERS_S = (0.0, 0.001, 0.002, 0.004)
 KEEPALIVE_EXPIRY_S = 2.0
 CALL_TIMEOUT_S = 300.0
 
@@ -66,28 +63,6 @@ class RunSetup:
 # -- live --------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class LiveCall:
-    session_id: str
-    call: int
-    sent_s: float
-    answered_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    reprefill_at_admission: int
-
-
-@dataclass(slots=True)
-class LiveOutcome:
-    calls: list[LiveCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    programs_started: int = 0
-    programs_completed: int = 0
-    counters: dict[str, float] = field(default_factory=dict)
-    read_at_s: tuple[float, float] = (0.0, 0.0)
-
-
 class AgentClient:
     """Plays the programs through the gateway in closed loop, in token ids."""
 
@@ -97,12 +72,12 @@ class AgentClient:
         self.workload = workload
         self.gateway_url = gateway_url
         self.worker_urls = worker_urls
-        self.outcome = LiveOutcome()
+        self.outcome = ClientOutcome()
         self.lag = LoopLag()
         self._next_index = 0
         self.clock = VirtualClock(1.0)
 
-    async def run(self) -> LiveOutcome:
+    async def run(self) -> ClientOutcome:
         setup = self.setup
         limits = httpx.Limits(max_connections=setup.concurrency + 8,
                               max_keepalive_connections=setup.concurrency + 8,
@@ -174,9 +149,10 @@ class AgentClient:
                                        f"output {output} (asked {program.output_tokens[k]}), "
                                        f"{'no' if answer is None else len(answer)} token ids")
             return None
-        self.outcome.calls.append(LiveCall(
+        # an answer off the script ended the program above: this one is on it
+        self.outcome.calls.append(CallRecord(
             program.session_id, k, sent, answered, prompt, cached, output,
-            reprefill_at_admission(prompts, program.output_tokens, k, prompt, cached)))
+            reprefill_at_admission(prompts, program.output_tokens, k, prompt, cached), matches_script=True))
         return answer
 
     async def _read_counters(self, http: httpx.AsyncClient) -> dict[str, float]:
@@ -214,7 +190,7 @@ def run_live(setup: RunSetup, policy: str, fleet: Fleet, label: str) -> ShellRun
     return _live_run(setup, policy, outcome, client.lag.summary(), gateway)
 
 
-def _live_run(setup: RunSetup, policy: str, outcome: LiveOutcome, client_lag: dict[str, float],
+def _live_run(setup: RunSetup, policy: str, outcome: ClientOutcome, client_lag: dict[str, float],
               gateway: ServerProcess) -> ShellRun:
     done = [call for call in outcome.calls if call.answered_s <= setup.duration_s]
     # the counters were read just after the run's end: scaled back to its duration
@@ -253,42 +229,11 @@ def _live_run(setup: RunSetup, policy: str, outcome: LiveOutcome, client_lag: di
 
 
 def run_simulated(setup: RunSetup, policy: str, model: StepTimeModel, ramp_jitter_s: float = 0.0) -> ShellRun:
-    workload = AgentWorkload(setup.seed, setup.shape)
-    programs: dict[str, AgentProgram] = {}
-
-    def make_program(index: int):
-        program = workload.program(index)
-        programs[program.session_id] = program
-        return workload.spec(index)
-
-    simulation = Simulation(
-        make_policy(parse_policy_config(setup.policy_section(policy))),
-        ClosedLoop(make_program, setup.concurrency, ramp_s=setup.ramp_s + ramp_jitter_s),
-        workers=setup.workers, model=model, duration_s=setup.duration_s, block_size=setup.block_size,
-        num_blocks=setup.blocks, scheduling_policy=setup.scheduling_policy)
-    result = simulation.run()
-    at_admission = 0
-    latency_by_call: dict[str, float] = {}
-    for engine in simulation.engines:
-        for request in engine.finished:
-            session, _, k = request.request_id.rpartition("#")
-            program = programs[session]
-            at_admission += reprefill_at_admission(program.prompt_tokens(setup.shape.system_tokens),
-                                                   program.output_tokens, int(k),
-                                                   request.prompt_tokens, request.cached_tokens)
-            assert request.finished_at is not None
-            latency_by_call[request.request_id] = request.finished_at - request.arrival
-    return ShellRun(
-        shell="sim", policy=policy, duration_s=result.duration_s, output_tokens=result.output_tokens,
-        prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-        calls_completed=result.calls_completed, call_latencies_s=list(result.call_latencies_s),
-        pauses=result.pauses, resumes=result.resumes, marks=result.marks,
-        preemptions=result.preemptions, reprefill_at_admission=at_admission,
-        engine_reprefill=result.reprefill_tokens, latency_by_call=latency_by_call,
-        diagnostics={"programs_completed": result.programs_completed,
-                     "programs_started": len(programs),
-                     "engine_steps": sum(engine.stats.steps for engine in simulation.engines),
-                     "engine_busy_s": round(sum(engine.stats.busy_s for engine in simulation.engines), 3)})
+    return simulate_closed_loop(
+        policy, setup.policy_section(policy), AgentWorkload(setup.seed, setup.shape).spec,
+        concurrency=setup.concurrency, ramp_s=setup.ramp_s + ramp_jitter_s, workers=setup.workers,
+        model=model, duration_s=setup.duration_s, block_size=setup.block_size, num_blocks=setup.blocks,
+        scheduling_policy=setup.scheduling_policy)
 
 
 def run_simulated_band(setup: RunSetup, policy: str, model: StepTimeModel,

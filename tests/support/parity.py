@@ -54,6 +54,7 @@ from scheduler.kv_events import EventBatchDecoder
 from scheduler.policies import make_policy
 from sim.engine import SCHEDULING_POLICIES
 from sim.feeds import ClosedLoop
+from sim.programs import ProgramSpec
 from sim.scripted import ScriptedProgram, ScriptedWorkload
 from sim.simulation import Simulation
 from sim.step_time import DEFAULT_PRESET, StepTimeModel
@@ -224,20 +225,30 @@ def run_simulated_band(setup: ParitySetup, policy: str,
 
 
 def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -> ShellRun:
-    workload = setup.workload()
-    programs: dict[str, ScriptedProgram] = {}
+    return simulate_closed_loop(
+        policy, setup.policy_section(policy), setup.workload().make_program,
+        concurrency=setup.concurrency, ramp_s=setup.ramp_s + ramp_jitter_s, workers=setup.workers,
+        model=setup.engine_model(), duration_s=setup.duration_s, block_size=setup.block_size,
+        num_blocks=setup.blocks, scheduling_policy=setup.scheduling_policy)
 
-    def make_program(index: int):
-        program = workload.program(index)
-        programs[program.session_id] = program
-        return workload.make_program(index)
+
+def simulate_closed_loop(policy: str, policy_section: dict[str, Any], make_program: Callable[[int], ProgramSpec],
+                         *, concurrency: int, ramp_s: float, workers: int, model: StepTimeModel,
+                         duration_s: float, block_size: int, num_blocks: int,
+                         scheduling_policy: str) -> ShellRun:
+    """The simulated shell: ``make_program``'s programs in closed loop, measured as the live
+    shell measures them (re-prefill at admission from each program's own call sizes)."""
+    programs: dict[str, ProgramSpec] = {}
+
+    def recorded(index: int) -> ProgramSpec:
+        spec = make_program(index)
+        programs[spec.session_id] = spec
+        return spec
 
     simulation = Simulation(
-        make_policy(parse_policy_config(setup.policy_section(policy))),
-        ClosedLoop(make_program, setup.concurrency, ramp_s=setup.ramp_s + ramp_jitter_s),
-        workers=setup.workers, model=setup.engine_model(), duration_s=setup.duration_s,
-        block_size=setup.block_size, num_blocks=setup.blocks,
-        scheduling_policy=setup.scheduling_policy)
+        make_policy(parse_policy_config(policy_section)), ClosedLoop(recorded, concurrency, ramp_s=ramp_s),
+        workers=workers, model=model, duration_s=duration_s, block_size=block_size,
+        num_blocks=num_blocks, scheduling_policy=scheduling_policy)
     result = simulation.run()
     at_admission = 0
     latency_by_call: dict[str, float] = {}
@@ -245,10 +256,10 @@ def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -
         for request in engine.finished:
             # the simulator names a call "<session>#<call index>"
             session, _, k = request.request_id.rpartition("#")
-            program = programs[session]
-            at_admission += reprefill_at_admission(program.prompt_tokens, program.output_tokens,
-                                                   int(k), request.prompt_tokens,
-                                                   request.cached_tokens)
+            calls = programs[session].calls
+            at_admission += reprefill_at_admission([c.prompt_tokens for c in calls],
+                                                   [c.output_tokens for c in calls], int(k),
+                                                   request.prompt_tokens, request.cached_tokens)
             assert request.finished_at is not None
             latency_by_call[request.request_id] = request.finished_at - request.arrival
     return ShellRun(
@@ -260,7 +271,9 @@ def run_simulated(setup: ParitySetup, policy: str, ramp_jitter_s: float = 0.0) -
         reprefill_at_admission=at_admission, engine_reprefill=result.reprefill_tokens,
         latency_by_call=latency_by_call,
         diagnostics={"programs_completed": result.programs_completed,
-                     "programs_started": len(programs)})
+                     "programs_started": len(programs),
+                     "engine_steps": sum(engine.stats.steps for engine in simulation.engines),
+                     "engine_busy_s": round(sum(engine.stats.busy_s for engine in simulation.engines), 3)})
 
 
 # -- the live shell ----------------------------------------------------------------------------
