@@ -29,6 +29,12 @@ class ProgramFeed:
         with a batch barrier; none for the others)."""
         return []
 
+    def fraction_done(self) -> float | None:
+        """How much of a feed that runs out has ended (0 to 1): what a run's progress shows
+        when it ends with its programs, not at a set time. None for a feed that never runs
+        out (its run ends at its duration)."""
+        return None
+
 
 class ClosedLoop(ProgramFeed):
     """Keep ``concurrency`` programs alive: a new one starts as soon as one ends. The first
@@ -62,9 +68,17 @@ class OpenLoop(ProgramFeed):
 
     def __init__(self, programs: Iterable[ProgramSpec]) -> None:
         self._programs = list(programs)
+        self._ended = 0
 
     def initial(self) -> list[ProgramSpec]:
         return self._programs
+
+    def on_program_end(self, spec: ProgramSpec, now: float) -> list[ProgramSpec]:
+        self._ended += 1
+        return []
+
+    def fraction_done(self) -> float | None:
+        return self._ended / len(self._programs) if self._programs else 1.0
 
 
 class ConversationLoop(ProgramFeed):
@@ -89,6 +103,7 @@ class ConversationLoop(ProgramFeed):
         self._next = 0
         self._conversation_of: dict[str, int] = {}  # live session → its conversation
         self._programs_left: dict[int, int] = {}  # live conversation → programs not ended
+        self._ended = 0  # conversations every program of which has ended
 
     @property
     def conversations(self) -> int:
@@ -106,9 +121,13 @@ class ConversationLoop(ProgramFeed):
         if self._programs_left[number]:
             return []
         del self._programs_left[number]
+        self._ended += 1
         if self._next == len(self._conversations):
             return []
         return self._start_next(now)
+
+    def fraction_done(self) -> float | None:
+        return self._ended / len(self._conversations) if self._conversations else 1.0
 
     def _start_next(self, now: float) -> list[ProgramSpec]:
         number = self._next

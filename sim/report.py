@@ -94,18 +94,18 @@ def write_json(path: Path, results: Sequence[SimResult], config: dict[str, Any],
 
 
 class Progress:
-    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal), fed
+    the fraction of the run done (:meth:`Simulation._fraction_done`)."""
 
-    def __init__(self, label: str, total: float, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(self, label: str, stream: TextIO | None = None, width: int = 30) -> None:
         self.label = label
-        self.total = total
         self.stream = stream or sys.stderr
         self.width = width
         self._tty = self.stream.isatty()
         self._last_tenth = -1
 
-    def __call__(self, done: float) -> None:
-        fraction = min(1.0, done / self.total) if self.total else 1.0
+    def __call__(self, fraction: float) -> None:
+        fraction = min(1.0, max(0.0, fraction))
         if self._tty:
             filled = int(fraction * self.width)
             bar = "#" * filled + "." * (self.width - filled)
@@ -120,6 +120,6 @@ class Progress:
 
     def close(self) -> None:
         if self._tty:
-            self(self.total)
+            self(1.0)
             self.stream.write("\n")
             self.stream.flush()

@@ -138,7 +138,7 @@ def run_policies(
         if model.kv_offload_gib > 0:
             policy_for_run = policy_for_run.for_host_tier()  # the policy knows its fleet's tier
         policy = make_policy(policy_for_run)
-        progress = Progress(f"{label}{shown}", duration_s) if show_progress else None
+        progress = Progress(f"{label}{shown}") if show_progress else None
         simulation = Simulation(policy, feed_for(), workers=workers, model=model,
                                 duration_s=duration_s, block_size=block_size,
                                 num_blocks=num_blocks, progress=progress,

@@ -152,7 +152,7 @@ class Simulation:
                  duration_s: float, block_size: int | None = None,
                  num_blocks: int | None = None, report_reuse: bool = False,
                  apply_retention: bool = True,
-                 progress: Callable[[float], None] | None = None,
+                 progress: Callable[[float], None] | None = None,  # given the fraction done
                  sample_every_s: float = 10.0, stop_when_done: bool = False,
                  on_sample: Callable[[float, Simulation], None] | None = None,
                  scheduling_policy: str = "priority") -> None:
@@ -209,6 +209,8 @@ class Simulation:
         heap = self._heap
         end = self.duration_s
         next_report = 0.0
+        # a run without an end in time (a closed-loop replay) reports every sampling period
+        report_every = end / 100.0 if math.isfinite(end) else self._sample_every_s
         while heap:
             at, _, kind, payload, version = heapq.heappop(heap)
             if at > end:
@@ -231,9 +233,18 @@ class Simulation:
             else:
                 self._start_program(payload, at)  # type: ignore[arg-type]
             if self._progress is not None and at >= next_report:
-                self._progress(at)
-                next_report = at + end / 100.0
+                self._progress(self._fraction_done(at))
+                next_report = at + report_every
+        if self._progress is not None:
+            self._progress(self._fraction_done(self._now))
         return self._result()
+
+    def _fraction_done(self, now: float) -> float:
+        """How far the run is: the share of its duration behind it, or of its programs ended
+        when its feed runs out first (a replay), whichever is further."""
+        by_time = now / self.duration_s if math.isfinite(self.duration_s) else 0.0
+        by_programs = self.feed.fraction_done() if self._stop_when_done else None
+        return min(1.0, max(by_time, by_programs or 0.0))
 
     def _has_pending(self) -> bool:
         return any(kind != _TICK for _, _, kind, _, _ in self._heap)

@@ -8,6 +8,7 @@ few dozen blocks) and a hand-made step-time model, so a run takes milliseconds.
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections import Counter
 
 import pytest
@@ -19,6 +20,7 @@ from scheduler.policies import make_policy
 from scheduler.policies.routing import RoundRobinPolicy
 from sim.feeds import Batches, ClosedLoop, ConversationLoop, OpenLoop
 from sim.programs import CallSpec, ProgramSpec
+from sim.report import Progress
 from sim.simulation import Simulation
 from sim.step_time import StepTimeModel
 
@@ -325,6 +327,41 @@ def test_conversation_loop_keeps_recorded_gaps_relative_to_the_conversations_sta
     assert rec.arrivals["b#0"] == ended["a"]
     assert rec.arrivals["b#1"] == pytest.approx(ended["a"] + 6.0)
     assert second.calls[1].at == 206.0  # the feed copies what it shifts
+
+
+def test_a_closed_loop_replay_shows_its_progress_by_conversations_ended():
+    # no end in time: the run reports how many of its conversations have ended, as it goes
+    count = 12
+    fractions: list[float] = []
+    sim = simulation("least_loaded", ConversationLoop(conversations(count), 2), workers=2,
+                     duration_s=float("inf"), stop_when_done=True, progress=fractions.append,
+                     sample_every_s=0.5)
+    sim.run()
+    assert fractions == sorted(fractions)
+    assert fractions[-1] == 1.0
+    seen = {round(f * count) for f in fractions}
+    assert len(seen) >= count // 2, fractions  # steps along the way, not one line at the end
+    assert all(f == pytest.approx(round(f * count) / count) for f in fractions)
+
+
+def test_an_open_loop_replay_counts_programs_ended_ahead_of_its_time_cap():
+    programs = [program(k, start_at=float(k)) for k in range(4)]
+    fractions: list[float] = []
+    sim = simulation("least_loaded", OpenLoop(programs), duration_s=10_000.0, stop_when_done=True,
+                     progress=fractions.append)
+    sim.run()
+    # the cap is far away; the programs' ends, not simulated time, drive the bar to the end
+    assert fractions[-1] == 1.0 and fractions == sorted(fractions)
+
+
+def test_progress_lines_step_by_tenths_when_stderr_is_not_a_terminal():
+    stream = io.StringIO()
+    bar = Progress("replay x", stream=stream)
+    for fraction in (0.0, 0.04, 0.15, 0.19, 0.5, 1.0):
+        bar(fraction)
+    bar.close()
+    assert stream.getvalue().splitlines() == ["replay x: 0%", "replay x: 15%", "replay x: 50%",
+                                              "replay x: 100%"]
 
 
 def test_conversation_loop_needs_a_positive_concurrency():
