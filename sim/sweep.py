@@ -35,6 +35,9 @@ class SweepConfig(BaseModel):
     preset_file: str | None = None
     duration_s: Annotated[float, Field(gt=0)] = 1800.0
     seed: int = 7
+    # Seeds run on the same grid beside ``seed`` and reported in a table of their own: the
+    # policies' settings were chosen on ``seed``, so a result must also hold on these.
+    held_back_seeds: list[int] = []
     block_size: Annotated[int, Field(gt=0)] = DEFAULT_BLOCK_SIZE
     concurrency: list[Annotated[int, Field(gt=0)]]
     policies: list[str]
@@ -118,19 +121,19 @@ def _read_preset_file(sweep: SweepConfig, data: dict[str, Any], source: str) -> 
         raise ConfigError(f"{source}: preset_file: {err}") from None
 
 
-def _one(args: tuple[SweepConfig, PolicyConfig, int, str]) -> dict[str, Any]:
-    sweep, policy_config, concurrency, policy = args
+def _one(args: tuple[SweepConfig, PolicyConfig, int, str, int]) -> dict[str, Any]:
+    sweep, policy_config, concurrency, policy, seed = args
     is_ceiling = policy == CEILING
     [result] = run_policies(
         [] if is_ceiling else [policy],
-        lambda: workload_feed(sweep.workload, concurrency, sweep.seed),
+        lambda: workload_feed(sweep.workload, concurrency, seed),
         workers=sweep.workers, preset=sweep.step_time_model, duration_s=sweep.duration_s,
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
         ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
         scheduling_policy=sweep.scheduling_policy,
         policy_costs=preset_policy_costs(sweep.step_time_model, sweep.preset_file),
     )
-    row = {"concurrency": concurrency, **result.summary(),
+    row = {"concurrency": concurrency, "seed": seed, **result.summary(),
            "marks": result.marks, "forced_resumes": result.forced_resumes,
            "preemptions": result.preemptions, "calls": result.calls_completed}
     return row
@@ -147,19 +150,29 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
                                                             "the preset file")
     for note in cost_notes:
         sys.stderr.write(f"{note}\n")
-    grid = [(sweep, policy_config, cc, policy) for cc in sweep.concurrency for policy in policies]
+    seeds = [sweep.seed, *(s for s in sweep.held_back_seeds if s != sweep.seed)]
+    grid = [(sweep, policy_config, cc, policy, seed)
+            for seed in seeds for cc in sweep.concurrency for policy in policies]
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=sweep.jobs) as pool:
         for n, row in enumerate(pool.map(_one, grid), start=1):
             rows.append(row)
-            sys.stderr.write(f"[{n}/{len(grid)}] CC{row['concurrency']} {row['policy']}: "
+            held_back = f" seed {row['seed']}" if row["seed"] != sweep.seed else ""
+            sys.stderr.write(f"[{n}/{len(grid)}]{held_back} CC{row['concurrency']} {row['policy']}: "
                              f"{row['output_tokens_per_s']:.0f} tok/s, hit {row['hit_rate']:.1%}\n")
             sys.stderr.flush()
-    rows = with_ceiling_ratio(rows, group="concurrency")
+    # each row is read against the ceiling of its own seed and concurrency
+    rows = [ratioed for seed in seeds for ratioed in
+            with_ceiling_ratio([row for row in rows if row["seed"] == seed], group="concurrency")]
+    main = [row for row in rows if row["seed"] == sweep.seed]
+    held = [row for row in rows if row["seed"] != sweep.seed]
     config = {**sweep.model_dump(), **preset_record(model, sweep.preset_file),
               **({} if costs is None else {"policy_costs": costs})}
     (out / "results.json").write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
-    table = format_markdown(rows, extra=("concurrency",))
+    table = format_markdown(main, extra=("concurrency",))
+    if held:
+        table += (f"\n\nHeld-back seeds ({', '.join(str(s) for s in seeds[1:])}), the same grid:\n\n"
+                  + format_markdown(held, extra=("seed", "concurrency")))
     (out / "results.md").write_text(
         f"# {sweep.name}\n\nMade by `{command}`.\n\n"
         f"Workload `{sweep.workload}`, {sweep.workers} workers, preset `{model.name}` "
@@ -169,7 +182,7 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
         + "".join(f"\n\nCost terms: {note}." for note in cost_notes)
         + f"\n\n{table}\n"
     )
-    plot_sweep(rows, out, sweep.name)
+    plot_sweep(main, out, sweep.name)
     return out
 
 

@@ -479,7 +479,7 @@ def test_sweep_scheduling_policy_key_reaches_each_run_and_the_report(runner, tmp
         return run_policies(*args, scheduling_policy=scheduling_policy, **kwargs)
 
     monkeypatch.setattr(sim.sweep, "run_policies", recorded)
-    sim.sweep._one((spec, policy_config, 2, "least_loaded"))
+    sim.sweep._one((spec, policy_config, 2, "least_loaded", spec.seed))
     assert given == ["fcfs"]
     # through the command: the report says which it ran under
     result = invoke(runner, "sweep", write_sweep(tmp_path / "one.yaml", tmp_path / "one",
@@ -489,6 +489,33 @@ def test_sweep_scheduling_policy_key_reaches_each_run_and_the_report(runner, tmp
     assert json.loads((tmp_path / "one" / "results.json").read_text())["config"][
         "scheduling_policy"] == "fcfs"
     assert "engines' scheduling policy fcfs" in (tmp_path / "one" / "results.md").read_text()
+
+
+def test_sweep_held_back_seeds_run_the_same_grid_in_a_table_of_their_own(runner, tmp_path):
+    out_dir = tmp_path / "held"
+    config = write_sweep(tmp_path / "sweep.yaml", out_dir, concurrency="[3]",
+                         policies="[least_loaded]", held_back_seeds="[8, 9]")
+    result = invoke(runner, "sweep", config)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out_dir / "results.json").read_text())["results"]
+    assert [(r["seed"], r["policy"]) for r in rows] == [
+        (7, "least_loaded"), (7, "ceiling"), (8, "least_loaded"), (8, "ceiling"),
+        (9, "least_loaded"), (9, "ceiling")]
+    # a seed is its own programs: the results differ, and each is read against its own ceiling
+    assert len({r["output_tokens_per_s"] for r in rows if r["policy"] == "least_loaded"}) == 3
+    for row in rows:
+        ceiling = next(c for c in rows if c["policy"] == "ceiling" and c["seed"] == row["seed"])
+        assert row["of_ceiling"] == round(row["output_tokens_per_s"] / ceiling["output_tokens_per_s"], 4)
+    markdown = (out_dir / "results.md").read_text()
+    main, held = markdown.split("Held-back seeds (8, 9)")
+    assert len([line for line in main.splitlines() if line.startswith("| 3 |")]) == 2
+    assert "| seed | concurrency | policy |" in held
+    assert len([line for line in held.splitlines() if line.startswith("| 8 | 3 |")]) == 2
+    # one seed alone still writes a single table
+    single = write_sweep(tmp_path / "one.yaml", tmp_path / "one", concurrency="[3]",
+                         policies="[least_loaded]", ceiling="false")
+    assert invoke(runner, "sweep", single).exit_code == 0
+    assert "Held-back" not in (tmp_path / "one" / "results.md").read_text()
 
 
 def test_sweep_jobs_do_not_change_the_results(runner, tmp_path):
