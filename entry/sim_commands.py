@@ -24,7 +24,8 @@ from entry.usage_error import usage_error
 from scheduler.config import POLICY_NAMES, ConfigError, parse_policy_yaml
 from sim.preset_file import read_preset_file
 from sim.report import format_table, with_ceiling_ratio, write_json
-from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, preset_record,
+from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, ends_with_its_programs,
+                      preset_record,
                       run_policies, trace_span_s, workload_feed)
 from sim.step_time import StepTimeModel, presets
 
@@ -87,11 +88,14 @@ def sim(
     concurrency: int = typer.Option(256, "--concurrency", min=1,
                                     help="Programs alive at once (swebench: closed loop; "
                                          "rl_rollout, rl_swe: programs per GRPO batch, 8 "
-                                         "samples per task; rl_swe at 512 is ~2x 8 H100s' KV)."),
+                                         "samples per task; rl_swe at 512 is ~2x 8 H100s' KV; "
+                                         "burst: programs arriving at once, first contexts "
+                                         "spanning 10x, run until they end)."),
     workers: int = typer.Option(8, "--workers", min=1, help="Simulated vLLM workers."),
     preset: PresetOption = None,
     preset_file: PresetFileOption = None,
-    duration: float = typer.Option(900.0, "--duration", min=1.0, help="Simulated seconds."),
+    duration: float = typer.Option(900.0, "--duration", min=1.0,
+                                   help="Simulated seconds (burst: a cap; the run ends with its programs)."),
     policy: str = typer.Option("program_aware,kv_aware,least_loaded", "--policy",
                                help="Comma-separated policies to compare on the same programs."),
     seed: int = typer.Option(7, "--seed", help="Workload seed."),
@@ -115,6 +119,7 @@ def sim(
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
         preset=model, duration_s=duration, block_size=block_size, label=f"{workload} CC{concurrency} ",
+        stop_when_done=ends_with_its_programs(workload),
         ceiling=ceiling, policy_config=policy_config,
         kv_offload_gib=_host_tier_gib(model, kv_offload_gib, host_tier),
         scheduling_policy=scheduling_policy, policy_costs=costs,

@@ -18,6 +18,10 @@ from sim.programs import ProgramSpec
 class ProgramFeed:
     """Decides which programs start when: closed loop, open loop or batches with barriers."""
 
+    # Whether a run of this feed reports how long each program waited for its first call to
+    # start, by size (a burst's fairness: :attr:`SimResult.start_waits`).
+    reports_start_waits: bool = False
+
     def initial(self) -> list[ProgramSpec]:
         raise NotImplementedError
 
@@ -66,9 +70,10 @@ class ClosedLoop(ProgramFeed):
 class OpenLoop(ProgramFeed):
     """Play a fixed set of programs (a trace) at their own start times."""
 
-    def __init__(self, programs: Iterable[ProgramSpec]) -> None:
+    def __init__(self, programs: Iterable[ProgramSpec], *, report_start_waits: bool = False) -> None:
         self._programs = list(programs)
         self._ended = 0
+        self.reports_start_waits = report_start_waits
 
     def initial(self) -> list[ProgramSpec]:
         return self._programs

@@ -23,12 +23,15 @@ COLUMNS = (
     ("pauses", "pauses", "{}"),
     ("resumes", "resumes", "{}"),
 )
-# Shown only when some row has them: the share of the ceiling row's throughput, and the
-# batch makespans of RL rollouts.
+# Shown only when some row has them: the share of the ceiling row's throughput, the batch
+# makespans of RL rollouts, and a burst's start waits by size.
 OPTIONAL_COLUMNS = (
     ("of_ceiling", "of ceiling", "{:.2f}"),
     ("p50_makespan_s", "p50 makespan s", "{:.1f}"),
     ("p99_makespan_s", "p99 makespan s", "{:.1f}"),
+    ("p99_start_wait_s", "p99 start s", "{:.1f}"),
+    ("p99_start_wait_smallest_tenth_s", "p99 start smallest 10% s", "{:.1f}"),
+    ("p99_start_wait_largest_tenth_s", "p99 start largest 10% s", "{:.1f}"),
 )
 CEILING_ROW = "ceiling"
 

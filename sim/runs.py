@@ -14,7 +14,7 @@ from typing import Any
 from scheduler.config import PolicyConfig, ProgramAwareConfig
 from scheduler.policies import make_policy
 from sim.engine import SCHEDULING_POLICIES
-from sim.feeds import Batches, ClosedLoop, ProgramFeed
+from sim.feeds import Batches, ClosedLoop, OpenLoop, ProgramFeed
 from sim.programs import ProgramSpec
 from sim.report import Progress
 from sim.simulation import SimResult, Simulation
@@ -26,7 +26,7 @@ from sim.step_time import PresetSpec, StepTimeModel, model_of, policy_cost_terms
 # tokens/s and 68.8% vs 68.7% hit rate at 16 vs 64).
 DEFAULT_BLOCK_SIZE = 64
 
-WORKLOADS = ("swebench", "rl_rollout", "rl_swe")
+WORKLOADS = ("swebench", "rl_rollout", "rl_swe", "burst")
 
 # The simulated engines' vLLM --scheduling-policy unless a run says otherwise: "priority",
 # where the policy's Admit priority orders each engine's queue (what every committed result
@@ -45,9 +45,11 @@ CEILING_KV_FACTOR = 100
 
 
 def workload_feed(workload: str, concurrency: int, seed: int) -> ProgramFeed:
-    """A closed loop at ``concurrency`` (swebench), or GRPO batches of that many programs
-    (rl_rollout, rl_swe: ``concurrency // 8`` prompts × 8 samples)."""
-    from sim.workloads import RlRolloutWorkload, RlSweWorkload, SwebenchWorkload
+    """A closed loop at ``concurrency`` (swebench), GRPO batches of that many programs
+    (rl_rollout, rl_swe: ``concurrency // 8`` prompts × 8 samples), or that many programs at
+    once whose first contexts span 10× (burst: it ends with them, and reports their start
+    waits by size)."""
+    from sim.workloads import BurstWorkload, RlRolloutWorkload, RlSweWorkload, SwebenchWorkload
 
     if workload == "swebench":
         return ClosedLoop(SwebenchWorkload(seed=seed).make_program, concurrency)
@@ -61,7 +63,15 @@ def workload_feed(workload: str, concurrency: int, seed: int) -> ProgramFeed:
         swe = RlSweWorkload(seed=seed, prompts_per_batch=max(1, concurrency // samples),
                             samples_per_prompt=samples)
         return Batches(swe.batch)
+    if workload == "burst":
+        return OpenLoop(BurstWorkload(seed=seed).programs(concurrency), report_start_waits=True)
     raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def ends_with_its_programs(workload: str) -> bool:
+    """Whether a run of ``workload`` ends when its programs have (its duration a cap), not at
+    its duration."""
+    return workload == "burst"
 
 
 def scale_times(programs: Sequence[ProgramSpec], time_scale: float) -> list[ProgramSpec]:

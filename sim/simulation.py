@@ -95,6 +95,9 @@ class SimResult:
     batch_makespans_s: list[float] = field(default_factory=list)
     # host KV tier (None: the workers have none): prompt tokens loaded back from it, and
     # blocks it evicted to make room
+    # feeds that report them (a burst): per program, its first prompt's tokens and the seconds
+    # from its first call's arrival to its dispatch (to the run's end for one never started)
+    start_waits: list[tuple[int, float]] = field(default_factory=list)
     host_loaded_tokens: int | None = None
     host_evicted_blocks: int | None = None
 
@@ -128,6 +131,8 @@ class SimResult:
             row["batches"] = len(self.batch_makespans_s)
             row["p50_makespan_s"] = round(self.makespan_quantile(0.5), 2)
             row["p99_makespan_s"] = round(self.makespan_quantile(0.99), 2)
+        if self.start_waits:
+            row.update(start_wait_by_size(self.start_waits))
         if self.host_loaded_tokens is not None:
             row["host_loaded_tokens"] = self.host_loaded_tokens
             row["host_evicted_blocks"] = self.host_evicted_blocks
@@ -145,6 +150,19 @@ class SimResult:
             "pauses": self.pauses,
             "resumes": self.resumes,
         }
+
+
+def start_wait_by_size(start_waits: list[tuple[int, float]]) -> dict[str, float]:
+    """p99 of the start waits of all programs, of the smallest tenth by first prompt and of the
+    largest tenth (each tenth at least one program)."""
+    by_size = sorted(start_waits)
+    tenth = max(1, len(by_size) // 10)
+
+    def p99(part: list[tuple[int, float]]) -> float:
+        return round(float(np.quantile(np.asarray([wait for _, wait in part]), 0.99)), 2)
+
+    return {"p99_start_wait_s": p99(by_size), "p99_start_wait_smallest_tenth_s": p99(by_size[:tenth]),
+            "p99_start_wait_largest_tenth_s": p99(by_size[-tenth:])}
 
 
 class Simulation:
@@ -186,6 +204,10 @@ class Simulation:
         self._program_times: list[float] = []
         self._calls_completed = 0
         self._programs_completed = 0
+        # first calls not yet dispatched (request id → first prompt tokens, arrival), and the
+        # start waits of those dispatched, when the feed reports them
+        self._unstarted: dict[str, tuple[int, float]] | None = {} if feed.reports_start_waits else None
+        self._start_waits: list[tuple[int, float]] = []
         self._utilization: dict[str, list[tuple[float, float]]] = {e.name: [] for e in self.engines}
         self._next_sample = 0.0
         # open-loop replays end when every program has ended, not at ``duration_s``
@@ -338,6 +360,8 @@ class Simulation:
             known_prefix_tokens=min(program.previous_sequence_tokens, call_spec.prompt_tokens),
         )
         self._calls[request_id] = _Call(program, k, request, engine_request, now)
+        if k == 0 and self._unstarted is not None:
+            self._unstarted[request_id] = (call_spec.prompt_tokens, now)
         decision = self.policy.on_arrival(request, now)
         if isinstance(decision, Admit):
             self._dispatch(decision, now)
@@ -355,6 +379,9 @@ class Simulation:
 
     def _dispatch(self, admit: Admit, now: float) -> None:
         call = self._calls[admit.request_id]
+        if self._unstarted is not None and admit.request_id in self._unstarted:
+            tokens, arrived = self._unstarted.pop(admit.request_id)
+            self._start_waits.append((tokens, now - arrived))
         engine_request = call.engine_request
         # what a live engine gets from the gateway: relative to this dispatch, in ms
         engine_request.priority = engine_priority(admit.priority, now)
@@ -481,6 +508,8 @@ class Simulation:
             forced_resumes=policy.stats["forced_resumes"],
             utilization=self._utilization,
             batch_makespans_s=self.feed.batch_makespans_s(),
+            start_waits=self._start_waits + [(tokens, elapsed - arrived) for tokens, arrived
+                                             in (self._unstarted or {}).values()],
             host_loaded_tokens=sum(c.loaded_tokens for c in connectors) if connectors else None,
             host_evicted_blocks=sum(c.evicted_blocks for c in connectors) if connectors else None,
         )

@@ -19,7 +19,8 @@ from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_
 from sim.preset_file import read_preset_file
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,
-                      policy_cost_notes, preset_policy_costs, preset_record, run_policies, workload_feed)
+                      ends_with_its_programs, policy_cost_notes, preset_policy_costs, preset_record,
+                      run_policies, workload_feed)
 from sim.step_time import DEFAULT_PRESET, StepTimeModel, presets
 
 
@@ -129,7 +130,7 @@ def _one(args: tuple[SweepConfig, PolicyConfig, int, str, int]) -> dict[str, Any
         lambda: workload_feed(sweep.workload, concurrency, seed),
         workers=sweep.workers, preset=sweep.step_time_model, duration_s=sweep.duration_s,
         block_size=sweep.block_size, policy_config=policy_config, show_progress=False,
-        ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
+        stop_when_done=ends_with_its_programs(sweep.workload), ceiling=is_ceiling, kv_offload_gib=sweep.kv_offload_gib,
         scheduling_policy=sweep.scheduling_policy,
         policy_costs=preset_policy_costs(sweep.step_time_model, sweep.preset_file),
     )

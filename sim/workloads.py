@@ -436,6 +436,53 @@ class RlSweWorkload(_GrpoBatches):
         )
 
 
+class BurstWorkload:
+    """A burst: every program arrives at once, their first contexts spread evenly (in log
+    space) over ``span`` times the smallest, each then an ordinary SWE-bench episode.
+
+    The scenario of ThunderAgent-org/ThunderAgent issue #46 (a burst where the largest programs
+    waited ~404 s to start while the smallest waited ~0.5 s): what an admission policy does with
+    size when it cannot start everyone. Sizes, span and the shared prefix are Sluice's
+    assumption: a 2,048-token system prompt shared by all (a smaller family prefix than
+    :class:`SwebenchWorkload`'s, so the contexts' spread is the programs' own), first contexts
+    from 4,096 to 40,960 tokens, the rest of each episode drawn as SwebenchWorkload draws it.
+    A program's size rank is its index's place in a seeded permutation, so sizes do not follow
+    arrival order.
+    """
+
+    def __init__(self, seed: int, *, smallest_context_tokens: int = 4096, span: float = 10.0,
+                 shared_prefix_tokens: int = 2048) -> None:
+        if seed < 0:
+            raise ValueError(f"seed must be ≥ 0, got {seed}")
+        if span < 1.0:
+            raise ValueError(f"span must be ≥ 1, got {span}")
+        if not 0 <= shared_prefix_tokens < smallest_context_tokens:
+            raise ValueError("need 0 ≤ shared_prefix_tokens < smallest_context_tokens, got "
+                             f"{shared_prefix_tokens}, {smallest_context_tokens}")
+        self.seed = seed
+        self.smallest_context_tokens = smallest_context_tokens
+        self.span = span
+        self.episodes = SwebenchWorkload(seed, shared_prefix_tokens=shared_prefix_tokens,
+                                         family=1)
+
+    def programs(self, n: int) -> list[ProgramSpec]:
+        """``n`` programs, all starting at time 0."""
+        if n <= 0:
+            raise ValueError(f"n must be > 0, got {n}")
+        ranks = np.random.default_rng([self.seed, 3]).permutation(n)
+        return [self._program(index, int(rank), n) for index, rank in enumerate(ranks)]
+
+    def _program(self, index: int, rank: int, n: int) -> ProgramSpec:
+        rng = np.random.default_rng([self.seed, 4, index])
+        place = rank / (n - 1) if n > 1 else 0.0
+        first_context = round(self.smallest_context_tokens * self.span ** place)
+        turns = self.episodes.draw_turns(rng)
+        calls = self.episodes.draw_calls(rng, turns, first_context)
+        return ProgramSpec(session_id=f"burst-{self.seed}-{index}", calls=calls, index=index,
+                           family=self.episodes.family,
+                           shared_prefix_tokens=self.episodes.shared_prefix_tokens)
+
+
 def open_loop_arrivals(rate_per_s: float, duration_s: float, seed: int) -> list[float]:
     """Arrival times of a Poisson process of rate ``rate_per_s`` in ``[0, duration_s)``."""
     if rate_per_s <= 0:

@@ -93,6 +93,18 @@ def test_sim_rl_rollout_with_chosen_policies(runner, tmp_path):
     assert doc["config"]["workload"] == "rl_rollout" and doc["config"]["seed"] == 3
 
 
+def test_sim_burst_runs_until_its_programs_end_and_shows_start_waits_by_size(runner, tmp_path):
+    out = tmp_path / "burst.json"
+    result = invoke(runner, "sim", "--workload", "burst", "--concurrency", 10, "--workers", 1,
+                    "--duration", 100000, "--policy", "thunderagent", "--no-ceiling", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "p99 start largest 10% s" in result.stdout
+    [row] = json.loads(out.read_text())["results"]
+    assert {"p99_start_wait_s", "p99_start_wait_smallest_tenth_s",
+            "p99_start_wait_largest_tenth_s"} <= set(row)
+    assert json.loads(out.read_text())["config"]["workload"] == "burst"
+
+
 def test_sim_without_json_writes_no_file(runner, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke(runner, "sim", "--concurrency", 2, "--workers", 1, "--duration", 30,

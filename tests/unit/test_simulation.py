@@ -11,6 +11,7 @@ import dataclasses
 import io
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from scheduler.actions import Action, Demote, Release, Retain
@@ -21,7 +22,7 @@ from scheduler.policies.routing import RoundRobinPolicy
 from sim.feeds import Batches, ClosedLoop, ConversationLoop, OpenLoop
 from sim.programs import CallSpec, ProgramSpec
 from sim.report import Progress
-from sim.simulation import Simulation
+from sim.simulation import Simulation, start_wait_by_size
 from sim.step_time import StepTimeModel
 
 BS = 4
@@ -653,3 +654,47 @@ def test_under_priority_the_engine_runs_the_better_queue_first_and_under_fcfs_by
     assert sent == sent_fcfs == {"heavy#0": 0, "blocker#0": 0, "heavy#1": 2 * 10**9, "light#0": 0}
     assert by_priority == ["light#0", "heavy#1"]  # light arrived later but is in a better queue
     assert by_arrival == ["heavy#1", "light#0"]   # fcfs ignores the priority
+
+
+# -- start waits (a burst's fairness) -------------------------------------------------------
+
+
+def test_a_burst_feed_reports_each_programs_start_wait_with_its_first_prompt():
+    programs = [program(k, turns=3, first_prompt=10 + 20 * k, output=6) for k in range(6)]
+    sim = simulation("thunderagent", OpenLoop(programs, report_start_waits=True),
+                     num_blocks=40, duration_s=2000.0, stop_when_done=True)
+    result = sim.run()
+    assert sorted(tokens for tokens, _ in result.start_waits) == sorted(
+        p.calls[0].prompt_tokens for p in programs)
+    # 40 blocks of 4 tokens hold only some of them at once: the rest wait to start
+    assert all(wait >= 0 for _, wait in result.start_waits)
+    assert any(wait > 0 for _, wait in result.start_waits)
+    row = result.summary()
+    assert row["p99_start_wait_s"] == pytest.approx(
+        float(np.quantile([w for _, w in result.start_waits], 0.99)), abs=0.01)
+    # a router starts every program on arrival; other feeds do not report start waits
+    router = simulation("least_loaded", OpenLoop(programs, report_start_waits=True),
+                        num_blocks=40, duration_s=2000.0, stop_when_done=True).run()
+    assert {wait for _, wait in router.start_waits} == {0.0}
+    plain = simulation("least_loaded", OpenLoop(programs), num_blocks=40, duration_s=2000.0,
+                       stop_when_done=True).run()
+    assert plain.start_waits == [] and "p99_start_wait_s" not in plain.summary()
+
+
+def test_a_program_never_started_waits_until_the_run_ends():
+    programs = [program(k, turns=2, first_prompt=30, output=5) for k in range(4)]
+    sim = simulation("thunderagent", OpenLoop(programs, report_start_waits=True),
+                     num_blocks=12, duration_s=3.0)
+    result = sim.run()
+    assert len(result.start_waits) == 4
+    assert max(wait for _, wait in result.start_waits) == pytest.approx(3.0)
+
+
+def test_start_wait_by_size_compares_the_smallest_and_largest_tenths():
+    waits = [(size, 100.0 if size > 90 else 1.0) for size in range(1, 101)]
+    row = start_wait_by_size(waits)
+    assert row["p99_start_wait_smallest_tenth_s"] == 1.0
+    assert row["p99_start_wait_largest_tenth_s"] == 100.0
+    assert start_wait_by_size([(5, 2.0)]) == {"p99_start_wait_s": 2.0,
+                                             "p99_start_wait_smallest_tenth_s": 2.0,
+                                             "p99_start_wait_largest_tenth_s": 2.0}

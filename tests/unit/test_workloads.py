@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sim.programs import ProgramSpec
 from sim.workloads import (
+    BurstWorkload,
     DEFAULT_MAX_CONTEXT_TOKENS,
     LogNormal,
     RlRolloutWorkload,
@@ -346,3 +347,37 @@ def test_open_loop_arrivals_edge_cases():
         open_loop_arrivals(0.0, 10.0, 0)
     with pytest.raises(ValueError):
         open_loop_arrivals(1.0, -1.0, 0)
+
+
+# -- burst ----------------------------------------------------------------------------------
+
+
+def test_burst_starts_every_program_at_once_with_first_contexts_spanning_ten_times():
+    programs = BurstWorkload(seed=7).programs(512)
+    assert len(programs) == 512 and {p.start_at for p in programs} == {0.0}
+    firsts = sorted(p.calls[0].prompt_tokens for p in programs)
+    assert firsts[0] == 4096 and firsts[-1] == 40960
+    # evenly spread in log space: each tenth by size holds its tenth of the range
+    tenth = len(firsts) // 10
+    assert firsts[tenth] < 4096 * 10 ** 0.15 and firsts[-tenth] > 4096 * 10 ** 0.85
+    assert len({p.session_id for p in programs}) == 512
+    for p in programs:  # each an episode growing from its first context
+        prompts = [c.prompt_tokens for c in p.calls]
+        assert prompts == sorted(prompts) and len(p.calls) >= 1
+        assert p.shared_prefix_tokens == 2048
+
+
+def test_burst_sizes_do_not_follow_arrival_order_and_are_seeded():
+    first = [p.calls[0].prompt_tokens for p in BurstWorkload(seed=7).programs(100)]
+    assert first != sorted(first) and first != sorted(first, reverse=True)
+    assert first == [p.calls[0].prompt_tokens for p in BurstWorkload(seed=7).programs(100)]
+    assert first != [p.calls[0].prompt_tokens for p in BurstWorkload(seed=8).programs(100)]
+
+
+def test_burst_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="span"):
+        BurstWorkload(seed=1, span=0.5)
+    with pytest.raises(ValueError, match="shared_prefix_tokens"):
+        BurstWorkload(seed=1, smallest_context_tokens=1024, shared_prefix_tokens=2048)
+    with pytest.raises(ValueError, match="n must be"):
+        BurstWorkload(seed=1).programs(0)
