@@ -2,7 +2,8 @@
 
 - Capacity: ``capacity_tokens`` from the YAML (or the admin API's worker entry), else the
   worker's ``/metrics`` ``vllm:cache_config_info`` labels ``(num_gpu_blocks − 1) ×
-  block_size`` (vLLM's block pool keeps block 0 as its null block; summed over its ``engine``
+  block_size`` (vLLM's block pool keeps block 0 as its null block; a hybrid model's
+  group-aware ``kv_cache_size_tokens`` instead, :func:`capacity_from_metrics`; summed over its ``engine``
   label values when one API server fronts several data-parallel engines), retried every ``capacity_retry_s`` until known (:meth:`WorkerRegistry.learn_capacity`).
   Until then the policy's ledger has no capacity for the worker, so it takes no new programs.
 - Health: ``GET /health`` every ``health_interval_s`` (:meth:`WorkerRegistry.watch_health`);
@@ -41,11 +42,24 @@ class CapacityUnknown(ValueError):
     """The worker's /metrics does not (yet) tell its KV capacity."""
 
 
+# How far vLLM's group-aware capacity may stray from blocks × block size before it is taken
+# instead: a full-attention model's differ only by the padding of a max_model_len request's
+# last block; a hybrid model's (sliding-window or state-space layer groups) by far more.
+_GROUPS_CHANGE_CAPACITY = 0.05
+
+
 def capacity_from_metrics(text: str) -> int:
-    """``(num_gpu_blocks − 1) × block_size`` from vLLM's ``cache_config_info`` metric, summed
-    over engines: the tokens a pool holds, less its null block (``vllm/v1/core/block_pool.py``
-    takes block 0 off the free queue for good). Raises :class:`CapacityUnknown` saying what is
-    missing."""
+    """The tokens a worker's KV pool holds, from vLLM's ``cache_config_info`` metric, summed
+    over engines: ``(num_gpu_blocks − 1) × block_size``, less the null block
+    (``vllm/v1/core/block_pool.py`` takes block 0 off the free queue for good).
+
+    A hybrid model's requests take blocks from several KV-cache groups (a sliding-window
+    group holds only its window), so its blocks times block size is not its capacity. vLLM
+    0.32 reports the group-aware figure as the label ``kv_cache_size_tokens``
+    (``vllm/v1/core/kv_cache_utils.py`` ``get_kv_cache_capacity``: its maximum concurrency at
+    ``max_model_len`` times ``max_model_len``); where it differs from blocks × block size by
+    more than :data:`_GROUPS_CHANGE_CAPACITY`, it is taken, less the null block's share.
+    Raises :class:`CapacityUnknown` saying what is missing."""
     per_engine: dict[str, int] = {}
     seen = False
     for match in _INFO_LINE.finditer(text):
@@ -54,13 +68,25 @@ def capacity_from_metrics(text: str) -> int:
         blocks, block_size = labels.get("num_gpu_blocks"), labels.get("block_size")
         if not (blocks and blocks.isdigit() and block_size and block_size.isdigit()):
             continue  # "None" until the engine has profiled its memory
-        per_engine.setdefault(labels.get("engine", ""), max(int(blocks) - 1, 0) * int(block_size))
+        per_engine.setdefault(labels.get("engine", ""),
+                              _engine_capacity(int(blocks), int(block_size),
+                                               labels.get("kv_cache_size_tokens")))
     if not seen:
         raise CapacityUnknown("no vllm:cache_config_info metric")
     total = sum(per_engine.values())
     if total <= 0:
         raise CapacityUnknown("vllm:cache_config_info has no num_gpu_blocks and block_size yet")
     return total
+
+
+def _engine_capacity(blocks: int, block_size: int, group_aware: str | None) -> int:
+    by_blocks = max(blocks - 1, 0) * block_size
+    if not (group_aware and group_aware.isdigit() and blocks > 0):
+        return by_blocks  # "None", or a vLLM older than the label
+    tokens = int(group_aware)
+    if abs(tokens - blocks * block_size) <= _GROUPS_CHANGE_CAPACITY * blocks * block_size:
+        return by_blocks
+    return tokens * (blocks - 1) // blocks
 
 
 class WorkerMode(str, Enum):

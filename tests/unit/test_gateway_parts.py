@@ -266,6 +266,21 @@ def test_capacity_is_blocks_less_the_null_block_times_block_size_summed_over_eng
     assert capacity_from_metrics(two) == 16_000 + 16_000
 
 
+def test_a_hybrid_models_capacity_is_vllms_group_aware_figure_less_the_null_blocks_share():
+    # a sliding-window model: 1,001 blocks of 16 tokens hold 40,040 tokens of requests, as
+    # vLLM 0.32 reports in kv_cache_size_tokens (its concurrency at max_model_len × max_model_len)
+    hybrid = ('vllm:cache_config_info{block_size="16",kv_cache_size_tokens="40040",'
+              'num_gpu_blocks="1001"} 1.0\n')
+    assert capacity_from_metrics(hybrid) == 40_000
+    # a full-attention model's figure differs only by a max-length request's last-block padding:
+    # the exact block count stays
+    plain = ('vllm:cache_config_info{block_size="16",kv_cache_size_tokens="15990",'
+             'num_gpu_blocks="1001"} 1.0\n')
+    assert capacity_from_metrics(plain) == 16_000
+    unknown = 'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="None",num_gpu_blocks="1001"} 1.0\n'
+    assert capacity_from_metrics(unknown) == 16_000
+
+
 @pytest.mark.parametrize("text,problem", [
     ("vllm:num_requests_running 0\n", "no vllm:cache_config_info"),
     ('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n', "no num_gpu_blocks"),
