@@ -80,6 +80,7 @@ class PolicyConfig(Strict):
     sticky_least_loaded: RouterConfig | None = _carried()
     continuum: ContinuumConfig | None = _carried()
     autellix: AutellixConfig | None = _carried()
+    sticky_kv: StickyKvConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -297,6 +298,19 @@ class KvAwareConfig(_Router):
     kv_overlap_score_weight: NonNegative = 1.0
 
 
+class StickyKvConfig(_Router):
+    """Session-sticky KV routing with a load valve (scheduler/policies/sticky_kv.py)."""
+
+    name: Literal["sticky_kv"] = "sticky_kv"
+    # A new session's worker: Dynamo's KV cost (its --router-kv-overlap-score-weight, 1.0).
+    kv_overlap_score_weight: NonNegative = 1.0
+    # The valve: a session leaves its worker when that worker has more than this many calls
+    # in flight over the least-loaded one and more than this many times as many (SGLang
+    # router's cache-aware --balance-abs-threshold 64 and --balance-rel-threshold 1.5).
+    balance_abs_threshold: Annotated[int, Field(ge=0)] = 64
+    balance_rel_threshold: Annotated[float, Field(ge=1.0)] = 1.5
+
+
 class ContinuumConfig(_Router):
     """Continuum's TTL pinning (scheduler/policies/continuum.py): a program's KV is pinned
     after each response for the cold-start TTL, then this quantile of observed tool times,
@@ -375,7 +389,7 @@ BaselineConfig = create_model(  # type: ignore[call-overload]
 )
 
 for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, _Router, RouterConfig,
-                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig):
+                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig, StickyKvConfig):
     _section.model_rebuild()
 
 # Every policy a config can name, with its section: the sections PolicyConfig can carry
