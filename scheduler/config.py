@@ -311,16 +311,50 @@ class StickyKvConfig(_Router):
     balance_rel_threshold: Annotated[float, Field(ge=1.0)] = 1.5
 
 
+# Continuum's keys that CacheTTL's τ* replaced: refused, naming the key and why.
+CONTINUUM_REMOVED_KEYS = {
+    "ttl_quantile": "the TTL is now CacheTTL's cost–benefit τ* (arXiv 2511.02230v4 §4.2), not a "
+                    "quantile of tool times; remove the key",
+}
+
+
 class ContinuumConfig(_Router):
-    """Continuum's TTL pinning (scheduler/policies/continuum.py): a program's KV is pinned
-    after each response for the cold-start TTL, then this quantile of observed tool times,
-    capped."""
+    """Continuum / CacheTTL's TTL pinning (scheduler/policies/continuum.py says where each
+    value comes from): a program's KV is pinned after each response for τ*, the TTL of the
+    best expected benefit over the observed tool times, or ``ttl_s`` until enough are seen."""
 
     name: Literal["continuum"] = "continuum"
+    # The cold-start TTL (the preview code's fixed 2 s threshold) until more than
+    # cold_start_samples tool times are observed (the paper's K = 100, §4.2).
     ttl_s: Positive = 2.0
-    ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    cold_start_samples: Annotated[int, Field(ge=1)] = 100
+    # Sluice's cap on τ* (the paper has none: a TTL always ends).
     max_ttl_s: Positive = 60.0
     pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
+    # Prefill-Reload per context token: recompute (prefill_token_s) or, with a host KV tier
+    # (host_tier, set by the runs whose workers have one), reload over the host link
+    # (reload_token_s); decode_token_s prices an output token to tell a call's queueing
+    # delay from its service. sim/step_time.py's llama3.1-8b-h100 preset: 36 µs, 131,072
+    # KV bytes at 50 GB/s, 20 ms (a preset file's own values where it is given).
+    prefill_token_s: Positive = 3.6e-5
+    reload_token_s: Positive = 2.62144e-6
+    decode_token_s: Positive = 0.02
+    host_tier: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in CONTINUUM_REMOVED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"{key}: continuum no longer takes it: {why}")
+        return data
+
+    def for_host_tier(self) -> ContinuumConfig:
+        """With a host tier a pin saves a reload, not a recompute (unless the file said)."""
+        if "host_tier" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"host_tier": True})
 
 
 class AutellixConfig(_Router):
@@ -362,7 +396,6 @@ _BASELINE_KEYS: dict[str, tuple[type[PolicyConfig], str]] = {
     "kv_overlap_score_weight": (KvAwareConfig, "kv_overlap_score_weight"),
     "thunderagent_tick_s": (ThunderAgentConfig, "scheduler_interval_s"),
     "continuum_ttl_s": (ContinuumConfig, "ttl_s"),
-    "continuum_ttl_quantile": (ContinuumConfig, "ttl_quantile"),
     "continuum_max_ttl_s": (ContinuumConfig, "max_ttl_s"),
     "continuum_pin_priority": (ContinuumConfig, "pin_priority"),
     "autellix_short_call_tokens": (AutellixConfig, "short_call_tokens"),

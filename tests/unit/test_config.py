@@ -90,7 +90,7 @@ def _own_keys(section) -> set[str]:
 
 def test_the_architecture_docs_baseline_table_matches_the_config():
     """docs/architecture.md §4 lists each baseline key in its policy's section with its default:
-    every key the deprecated bag carried, and every key of sticky_kv."""
+    every key the deprecated bag carried, and every key of continuum and sticky_kv."""
     path = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
     section = path.read_text(encoding="utf-8").split("## 4.", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z_, ]+?)\s*\|\s*((?:[-0-9.e, ]|true|false)+?)\s*\|",
@@ -102,7 +102,8 @@ def test_the_architecture_docs_baseline_table_matches_the_config():
             number = {"true": 1.0, "false": 0.0}.get(value) if value.isalpha() else float(value)
             assert float(getattr(defaults, key)) == number, f"{policy}.{key}"
             documented.add(key)
-    assert documented == {key for _, key in BASELINE_KEYS_MOVED.values()} | _own_keys(StickyKvConfig)
+    assert documented == ({key for _, key in BASELINE_KEYS_MOVED.values()}
+                          | _own_keys(ContinuumConfig) | _own_keys(StickyKvConfig))
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():
