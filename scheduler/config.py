@@ -17,8 +17,6 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     PrivateAttr,
@@ -29,64 +27,19 @@ from pydantic import (
     model_validator,
 )
 
-NonNegative = Annotated[float, Field(ge=0.0)]
-Positive = Annotated[float, Field(gt=0.0)]
-# A share of a worker's KV pool, as U is. U may pass 1.0: the active programs' demand can
-# exceed the pool, and the engine's LRU then evicts what is idle. A threshold above 1.0
-# oversubscribes on purpose; 2.0 (twice the pool) is the ceiling because past it most of
-# every active program's KV could never be resident at once, so each call would re-prefill
-# its context: the thrash that pausing exists to prevent.
-Fraction = Annotated[float, Field(ge=0.0, le=2.0)]
-
+from scheduler.config_types import (
+    HOST_TIER_DEFAULTS,
+    HOST_TIER_RETENTION_DEFAULTS,
+    Fraction,
+    NonNegative,
+    Positive,
+    RetentionConfig,
+    Strict,
+    host_tier_in,
+)
 
 # How far below pause_threshold a pause pass stops when pause_target is not given.
 PAUSE_TARGET_GAP = 0.02
-
-
-class _Strict(BaseModel):
-    # strict: a YAML `true` or "100" is not silently taken for a number
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class RetentionConfig(_Strict):
-    """Retention-bias directives sent to engines (architecture.md §3 "Retention")."""
-
-    enabled: bool = True
-    active_priority: Annotated[int, Field(ge=0, le=100)] = 90
-    ttl_s: Positive = 300.0
-    # Re-send a Retain when less than this share of its TTL is left.
-    refresh_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
-    # The workers have a host KV tier (vLLM's CPU offloading): program_aware sends Offload
-    # instead of Demote when it pauses a program, and Prefetch when it resumes one whose KV
-    # the tier holds (docs/design-notes.md "Host KV tier on real vLLM").
-    host_tier: bool = False
-    # Among prefetched sessions the tier gives up the lowest priority first.
-    prefetch_priority: Annotated[int, Field(ge=0, le=100)] = 50
-    # How long a Prefetch's favour lasts (None: until the session's call loads its blocks).
-    prefetch_deadline_s: Positive | None = None
-    # Offload a program when it turns dormant too (its KV then goes first on the GPU and its
-    # Retain is not refreshed until its next call), not only when it is paused.
-    offload_dormant: bool = False
-    # Prefetch an offloaded dormant program when its tool call is predicted to end (the
-    # median of the recent tool calls that lasted longer than it has so far), so that the tier
-    # keeps its KV for the call that is coming rather than for programs still in theirs.
-    prefetch_predicted: bool = True
-
-
-# With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
-# in host memory instead of being lost, so the policy may count less of what waits: programs
-# turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
-# offloaded then (and ``host_tier_overcommit`` applies). These are the defaults of the
-# keys a file leaves out when it turns the tier on (docs/architecture.md §3; measured in
-# experiments/results/host_tier/README.md).
-HOST_TIER_DEFAULTS: dict[str, Any] = {"dormant_quantile": 0.25, "dormant_min_s": 30.0}
-HOST_TIER_RETENTION_DEFAULTS: dict[str, Any] = {"offload_dormant": True}
-
-
-def _host_tier_in(retention: Any) -> bool:
-    if isinstance(retention, RetentionConfig):
-        return retention.host_tier
-    return isinstance(retention, dict) and retention.get("host_tier") is True
 
 
 def _carried() -> Any:
@@ -96,7 +49,7 @@ def _carried() -> Any:
     return Field(default=None, exclude=True, repr=False)
 
 
-class PolicyConfig(_Strict):
+class PolicyConfig(Strict):
     """The ``policy:`` section: one section per policy, chosen by ``name``
     (:data:`AnyPolicyConfig`, the union pydantic validates).
 
@@ -127,6 +80,7 @@ class PolicyConfig(_Strict):
     sticky_least_loaded: RouterConfig | None = _carried()
     continuum: ContinuumConfig | None = _carried()
     autellix: AutellixConfig | None = _carried()
+    sticky_kv: StickyKvConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -255,7 +209,7 @@ class ProgramAwareConfig(PolicyConfig):
         """The defaults that depend on other keys: with ``retention.host_tier`` the keys of
         :data:`HOST_TIER_DEFAULTS` the file leaves out take those values; then a left-out
         ``pause_target`` follows ``pause_threshold``."""
-        if isinstance(data, dict) and _host_tier_in(data.get("retention")):
+        if isinstance(data, dict) and host_tier_in(data.get("retention")):
             data = {**HOST_TIER_DEFAULTS, **data}
             retention = data["retention"]
             if isinstance(retention, dict):
@@ -344,16 +298,63 @@ class KvAwareConfig(_Router):
     kv_overlap_score_weight: NonNegative = 1.0
 
 
+class StickyKvConfig(_Router):
+    """Session-sticky KV routing with a load valve (scheduler/policies/sticky_kv.py)."""
+
+    name: Literal["sticky_kv"] = "sticky_kv"
+    # A new session's worker: Dynamo's KV cost (its --router-kv-overlap-score-weight, 1.0).
+    kv_overlap_score_weight: NonNegative = 1.0
+    # The valve: a session leaves its worker when that worker has more than this many calls
+    # in flight over the least-loaded one and more than this many times as many (SGLang
+    # router's cache-aware --balance-abs-threshold 64 and --balance-rel-threshold 1.5).
+    balance_abs_threshold: Annotated[int, Field(ge=0)] = 64
+    balance_rel_threshold: Annotated[float, Field(ge=1.0)] = 1.5
+
+
+# Continuum's keys that CacheTTL's τ* replaced: refused, naming the key and why.
+CONTINUUM_REMOVED_KEYS = {
+    "ttl_quantile": "the TTL is now CacheTTL's cost–benefit τ* (arXiv 2511.02230v4 §4.2), not a "
+                    "quantile of tool times; remove the key",
+}
+
+
 class ContinuumConfig(_Router):
-    """Continuum's TTL pinning (scheduler/policies/continuum.py): a program's KV is pinned
-    after each response for the cold-start TTL, then this quantile of observed tool times,
-    capped."""
+    """Continuum / CacheTTL's TTL pinning (scheduler/policies/continuum.py says where each
+    value comes from): a program's KV is pinned after each response for τ*, the TTL of the
+    best expected benefit over the observed tool times, or ``ttl_s`` until enough are seen."""
 
     name: Literal["continuum"] = "continuum"
+    # The cold-start TTL (the preview code's fixed 2 s threshold) until more than
+    # cold_start_samples tool times are observed (the paper's K = 100, §4.2).
     ttl_s: Positive = 2.0
-    ttl_quantile: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    cold_start_samples: Annotated[int, Field(ge=1)] = 100
+    # Sluice's cap on τ* (the paper has none: a TTL always ends).
     max_ttl_s: Positive = 60.0
     pin_priority: Annotated[int, Field(ge=0, le=100)] = 100
+    # Prefill-Reload per context token: recompute (prefill_token_s) or, with a host KV tier
+    # (host_tier, set by the runs whose workers have one), reload over the host link
+    # (reload_token_s); decode_token_s prices an output token to tell a call's queueing
+    # delay from its service. sim/step_time.py's llama3.1-8b-h100 preset: 36 µs, 131,072
+    # KV bytes at 50 GB/s, 20 ms (a preset file's own values where it is given).
+    prefill_token_s: Positive = 3.6e-5
+    reload_token_s: Positive = 2.62144e-6
+    decode_token_s: Positive = 0.02
+    host_tier: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in CONTINUUM_REMOVED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"{key}: continuum no longer takes it: {why}")
+        return data
+
+    def for_host_tier(self) -> ContinuumConfig:
+        """With a host tier a pin saves a reload, not a recompute (unless the file said)."""
+        if "host_tier" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"host_tier": True})
 
 
 class AutellixConfig(_Router):
@@ -395,7 +396,6 @@ _BASELINE_KEYS: dict[str, tuple[type[PolicyConfig], str]] = {
     "kv_overlap_score_weight": (KvAwareConfig, "kv_overlap_score_weight"),
     "thunderagent_tick_s": (ThunderAgentConfig, "scheduler_interval_s"),
     "continuum_ttl_s": (ContinuumConfig, "ttl_s"),
-    "continuum_ttl_quantile": (ContinuumConfig, "ttl_quantile"),
     "continuum_max_ttl_s": (ContinuumConfig, "max_ttl_s"),
     "continuum_pin_priority": (ContinuumConfig, "pin_priority"),
     "autellix_short_call_tokens": (AutellixConfig, "short_call_tokens"),
@@ -415,14 +415,14 @@ BASELINE_KEYS_MOVED: dict[str, tuple[str, str]] = {
 # bounds), so a wrong value is refused naming the key where the file wrote it
 # (policy.baselines.…). Read only to move each key (:func:`_move_baseline_keys`).
 BaselineConfig = create_model(  # type: ignore[call-overload]
-    "BaselineConfig", __base__=_Strict,
+    "BaselineConfig", __base__=Strict,
     __doc__="The deprecated ``baselines:`` bag: every baseline's keys in one section.",
     **{old: (section.model_fields[key].annotation, section.model_fields[key])
        for old, (section, key) in _BASELINE_KEYS.items()},
 )
 
 for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, _Router, RouterConfig,
-                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig):
+                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig, StickyKvConfig):
     _section.model_rebuild()
 
 # Every policy a config can name, with its section: the sections PolicyConfig can carry

@@ -4,8 +4,8 @@ A tool call's duration is what the core sees between a program's response (its l
 flight ended) and its next request. program_aware reads a quantile of the recent ones
 (``dormant_quantile``) as "a program still in its tool call after this long is in one of
 the long ones" (a test run, not a file view): it stops counting in ``U``; with a host tier
-it reads :meth:`ToolTimes.median_beyond` as when such a call will end. continuum reads one
-as how long to pin a program's KV. A sliding window, so the estimate follows the traffic; no
+it reads :meth:`ToolTimes.median_beyond` as when such a call will end. continuum reads their
+distribution for how long to pin a program's KV. A sliding window, so the estimate follows the traffic; no
 clock, the shells' ``now`` only.
 
 Invariant 1: ``_sorted`` holds exactly the values of ``_recent``, in ascending order, and at
@@ -38,6 +38,10 @@ class ToolTimes:
         if len(self._recent) > self._window:
             oldest = self._recent.popleft()
             del self._sorted[bisect_left(self._sorted, oldest)]  # keeps invariant 1
+
+    def ascending(self) -> list[float]:
+        """The window's durations in ascending order (the caller reads, never changes it)."""
+        return self._sorted
 
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile (nearest rank) of the window; None until ``min_samples`` are in."""

@@ -166,8 +166,8 @@ def run_policies(
 def preset_policy_costs(model: StepTimeModel, preset_file: Path | str | None) -> dict[str, float] | None:
     """The cost terms a run gives its policies from its preset: a preset file's model's (the
     engine it was fitted to or written for), :func:`~sim.step_time.policy_cost_terms`. None for
-    a named preset: its policies keep their configured costs (autellix's defaults are the
-    llama3.1-8b-h100 preset's), so runs on the named presets stay as they were."""
+    a named preset: its policies keep their configured costs (autellix's and continuum's
+    defaults are the llama3.1-8b-h100 preset's), so runs on the named presets stay as they were."""
     return None if preset_file is None else policy_cost_terms(model)
 
 

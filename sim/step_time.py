@@ -155,21 +155,25 @@ TYPICAL_CONTEXT_TOKENS = 2048
 
 
 def policy_cost_terms(model: StepTimeModel) -> dict[str, float]:
-    """The per-token service costs of ``model`` that a policy estimating service from usage
-    takes (autellix's ``decode_token_s`` and ``prefill_token_s``), at a typical batch: a decode
-    step of :data:`TYPICAL_DECODE_SEQS` sequences with :data:`TYPICAL_CONTEXT_TOKENS` tokens of
-    context each (fewer where the model's ``max_num_seqs`` or KV pool holds less).
+    """The per-token service costs of ``model`` that policies estimating service from usage
+    take (autellix's and continuum's ``decode_token_s`` and ``prefill_token_s``, continuum's
+    ``reload_token_s``), at a typical batch: a decode step of :data:`TYPICAL_DECODE_SEQS`
+    sequences with :data:`TYPICAL_CONTEXT_TOKENS` tokens of context each (fewer where the
+    model's ``max_num_seqs`` or KV pool holds less).
 
     - ``decode_token_s``: that whole step, which an output token holds its call in;
     - ``prefill_token_s``: what one more prompt token adds to a step: its matmuls, its KV in the
-      step's context, and its attention over the typical context.
+      step's context, and its attention over the typical context;
+    - ``reload_token_s``: one token's KV over the host link (0 for a model without one).
     """
     seqs = min(TYPICAL_DECODE_SEQS, model.max_num_seqs)
     context_each = max(1, min(TYPICAL_CONTEXT_TOKENS, model.kv_capacity_tokens // seqs))
+    link = model.host_link_bytes_per_s
     return {
         "decode_token_s": model.step_s(0, seqs, seqs * context_each),
         "prefill_token_s": (model.prefill_token_s + model.context_token_s
                             + model.prefill_attention_s * context_each),
+        "reload_token_s": model.kv_bytes_per_token / link if link > 0 else 0.0,
     }
 
 

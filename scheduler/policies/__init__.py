@@ -13,6 +13,7 @@ from scheduler.policies.routing import (
     RoundRobinPolicy,
     StickyLeastLoadedPolicy,
 )
+from scheduler.policies.sticky_kv import StickyKvPolicy
 from scheduler.policies.thunderagent import ThunderAgentPolicy
 
 POLICIES: dict[str, type[Policy]] = {
@@ -26,6 +27,7 @@ POLICIES: dict[str, type[Policy]] = {
         ThunderAgentPolicy,
         ContinuumPolicy,
         AutellixPolicy,
+        StickyKvPolicy,
     )
 }
 

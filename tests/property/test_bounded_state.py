@@ -66,9 +66,11 @@ BOUNDS: dict[str, str] = {
     "_active_tokens": WORKER,
     # autellix: the process table
     "process_table": LIVE,
-    # continuum: recent tool-call durations
+    # continuum: recent tool-call durations, evicted calls' queueing delays, live pins
     "_tool_times._recent": WINDOW,
     "_tool_times._sorted": WINDOW,
+    "_queue_delays._recent": WINDOW,
+    "_pinned_until": LIVE,
     # thunderagent: its parking lot and idle deadlines (scheduler/policies/parking.py)
     "_lot._since": LIVE,
     "_lot._deadlines._heap": LIVE,

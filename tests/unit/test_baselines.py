@@ -1,6 +1,7 @@
 """The baselines behave as their sources document (architecture.md §4; sources in each policy's
 docstring): VERL's least-loaded router, Dynamo's KV router, SkyRL's sticky least-loaded,
-ThunderAgent as published, Continuum's TTL pinning, and plain round robin."""
+ThunderAgent as published, Continuum's TTL pinning (CacheTTL's τ* in test_continuum.py), and
+plain round robin."""
 
 from __future__ import annotations
 
@@ -461,36 +462,6 @@ def test_continuum_default_cold_start_is_two_seconds() -> None:
     d = Driver(make("continuum"))
     call = d.arrive("a")
     assert [r.ttl_s for r in d.finish(call.request_id)] == [2.0]
-
-
-def _continuum_with_tool_times(times: list[float], **keys) -> list[float]:
-    d = Driver(make("continuum", **keys))
-    now = 0.0
-    ttls = []
-    call = d.arrive("a", now=now)
-    for gap in times:
-        now += 1.0
-        ttls += [r.ttl_s for r in d.finish(call.request_id, now=now)]
-        now += gap  # the tool runs
-        call = d.arrive("a", now=now)
-    return ttls
-
-
-def test_continuum_ttl_follows_observed_tool_times() -> None:
-    times = [float(t) for t in range(1, 31)]
-    ttls = _continuum_with_tool_times(times)
-    assert ttls[:20] == [2.0] * 20  # cold start until enough tool times are seen
-    # 21st response: 20 observed tool times 1..20 s; the 0.8 quantile is about 16–17 s
-    assert 16.0 <= ttls[20] <= 17.0
-    assert ttls[-1] > ttls[20]  # keeps following the distribution
-
-
-def test_continuum_ttl_quantile_is_configurable_and_capped() -> None:
-    times = [float(t) for t in range(1, 26)]
-    low = _continuum_with_tool_times(times, ttl_quantile=0.25)
-    assert 5.0 <= low[-1] <= 7.0
-    slow = _continuum_with_tool_times([100.0 + t for t in range(25)], max_ttl_s=45.0)
-    assert slow[-1] == 45.0
 
 
 def test_continuum_orders_calls_by_program_arrival() -> None:

@@ -20,6 +20,7 @@ from scheduler.config import (
     ProgramAwareConfig,
     RetentionConfig,
     RouterConfig,
+    StickyKvConfig,
     ThunderAgentConfig,
     load_yaml_text,
     make_policy_config,
@@ -82,19 +83,27 @@ def test_the_architecture_docs_defaults_table_matches_the_config():
             assert float(getattr(defaults, key)) == float(value), key
 
 
+def _own_keys(section) -> set[str]:
+    """The keys a router section adds to what every router takes."""
+    return set(section.model_fields) - set(RouterConfig.model_fields)
+
+
 def test_the_architecture_docs_baseline_table_matches_the_config():
-    """docs/architecture.md §4 lists each baseline key in its policy's section with its default."""
+    """docs/architecture.md §4 lists each baseline key in its policy's section with its default:
+    every key the deprecated bag carried, and every key of continuum and sticky_kv."""
     path = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
     section = path.read_text(encoding="utf-8").split("## 4.", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z_, ]+?)\s*\|\s*([-0-9.e, ]+?)\s*\|", section,
-                      flags=re.M)
+    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z_, ]+?)\s*\|\s*((?:[-0-9.e, ]|true|false)+?)\s*\|",
+                      section, flags=re.M)
     documented = set()
     for policy, keys, values in rows:
         defaults = make_policy_config({"name": policy})
         for key, value in zip(keys.split(", "), values.split(", "), strict=True):
-            assert float(getattr(defaults, key)) == float(value), f"{policy}.{key}"
+            number = {"true": 1.0, "false": 0.0}.get(value) if value.isalpha() else float(value)
+            assert float(getattr(defaults, key)) == number, f"{policy}.{key}"
             documented.add(key)
-    assert documented == {key for _, key in BASELINE_KEYS_MOVED.values()}
+    assert documented == ({key for _, key in BASELINE_KEYS_MOVED.values()}
+                          | _own_keys(ContinuumConfig) | _own_keys(StickyKvConfig))
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():
@@ -263,7 +272,7 @@ def test_policy_names_are_exactly_the_registered_policies():
 
     assert set(POLICY_NAMES) == set(POLICIES)
     assert {"program_aware", "round_robin", "least_loaded", "kv_aware", "sticky_least_loaded",
-            "thunderagent", "continuum", "autellix"} == set(POLICY_NAMES)
+            "thunderagent", "continuum", "autellix", "sticky_kv"} == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -305,7 +314,8 @@ def test_each_policy_gets_its_own_section_type():
     assert sections == {"program_aware": ProgramAwareConfig, "thunderagent": ThunderAgentConfig,
                         "round_robin": RouterConfig, "least_loaded": LeastLoadedConfig,
                         "kv_aware": KvAwareConfig, "sticky_least_loaded": RouterConfig,
-                        "continuum": ContinuumConfig, "autellix": AutellixConfig}
+                        "continuum": ContinuumConfig, "autellix": AutellixConfig,
+                        "sticky_kv": StickyKvConfig}
     assert not hasattr(parse_policy_config({"name": "least_loaded"}), "pause_threshold")
     assert PolicyName.__args__ == POLICY_NAMES  # derived, not a second list
 

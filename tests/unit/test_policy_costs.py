@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import sim.runs
-from scheduler.config import AutellixConfig, ProgramAwareConfig, parse_policy_yaml
+from scheduler.config import AutellixConfig, ContinuumConfig, ProgramAwareConfig, parse_policy_yaml
 from sim.runs import policy_cost_notes, policy_costs_taken, preset_policy_costs, run_policies, workload_feed
 from sim.step_time import StepTimeModel, policy_cost_terms, preset
 
@@ -21,7 +21,9 @@ def test_the_cost_terms_are_a_typical_decode_step_and_a_prompt_tokens_share_of_a
     assert costs["decode_token_s"] == pytest.approx(0.010 + 0.064 + 0.0131072, rel=1e-12)
     # a prompt token: its matmuls, its KV in the context, its attention over 2,048 tokens
     assert costs["prefill_token_s"] == pytest.approx(1e-4 + 1e-7 + 2e-8 * 2048, rel=1e-12)
-    assert set(costs) == {"decode_token_s", "prefill_token_s"}
+    # no host link: no reload price
+    assert set(costs) == {"decode_token_s", "prefill_token_s", "reload_token_s"}
+    assert costs["reload_token_s"] == 0.0
 
 
 def test_the_typical_batch_shrinks_to_what_the_engine_holds():
@@ -85,3 +87,13 @@ def test_a_run_gives_autellix_the_costs_it_does_not_set(monkeypatch):
     run_policies(["autellix"], lambda: workload_feed("swebench", 2, 7), workers=1, preset=MODEL,
                  duration_s=5, show_progress=False)
     assert (made[0].decode_token_s, made[0].prefill_token_s) == (0.02, 3.6e-5)  # no costs: the defaults
+
+
+def test_the_h100_preset_gives_continuums_defaults_and_continuum_takes_its_terms():
+    costs = policy_cost_terms(preset("llama3.1-8b-h100"))
+    defaults = ContinuumConfig()
+    assert costs["reload_token_s"] == defaults.reload_token_s  # 131,072 KV bytes at 50 GB/s
+    assert costs["prefill_token_s"] == pytest.approx(defaults.prefill_token_s, rel=0.01)
+    assert costs["decode_token_s"] == pytest.approx(defaults.decode_token_s, rel=0.1)
+    assert policy_costs_taken(ContinuumConfig(reload_token_s=1e-6), costs) == {
+        "decode_token_s": costs["decode_token_s"], "prefill_token_s": costs["prefill_token_s"]}
