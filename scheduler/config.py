@@ -15,7 +15,6 @@ import functools
 import warnings
 from typing import Annotated, Any, Literal, Union, get_args
 
-import yaml
 from pydantic import (
     Discriminator,
     Field,
@@ -30,12 +29,14 @@ from pydantic import (
 from scheduler.config_types import (
     HOST_TIER_DEFAULTS,
     HOST_TIER_RETENTION_DEFAULTS,
+    ConfigError,
     Fraction,
     NonNegative,
     Positive,
     RetentionConfig,
     Strict,
     host_tier_in,
+    load_yaml_text,
 )
 
 # How far below pause_threshold a pause pass stops when pause_target is not given.
@@ -164,6 +165,13 @@ class ProgramAwareConfig(PolicyConfig):
     # Bounded waiting: a call held this long goes ahead (its program is resumed on its home,
     # else the emptiest worker, room or not). None: only force_resume_after_s bounds it.
     max_wait_s: Positive | None = 60.0
+    # ... stretched when the fleet is oversubscribed past this many pools (what the programs
+    # that want to run ask of the KV: the active load plus the held programs' demand), in
+    # proportion, at most ``max_wait_stretch`` times: a program must wait longer when more
+    # want the room, and waits bounded below that only swap programs in and out by force
+    # (design notes "Waiting under deep overload"). None: max_wait_s as it is.
+    wait_stretch_from: Positive | None = 2.0
+    max_wait_stretch: Annotated[float, Field(ge=1.0)] = 1.75
     # Dormancy: an ACTING program still in its tool call after the ``dormant_quantile`` of
     # recent tool-call durations (and at least ``dormant_min_s``) is likely in a long one:
     # its KV counts in U at ``dormant_token_weight`` until its next call. None: off.
@@ -531,10 +539,6 @@ def make_policy_config(data: dict[str, Any] | None = None) -> PolicyConfig:
     return _adapter().validate_python(data or {})
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names every offending key."""
-
-
 def format_validation_errors(err: ValidationError, prefix: str) -> str:
     """One line per error, each naming its key by its dotted path under ``prefix``."""
     lines = []
@@ -566,19 +570,6 @@ def parse_policy_config(data: Any, prefix: str = "policy") -> PolicyConfig:
         return make_policy_config(data)
     except ValidationError as err:
         raise ConfigError(format_validation_errors(err, prefix)) from None
-
-
-def load_yaml_text(text: str, source: str) -> Any:
-    """Parse YAML, turning syntax errors into a :class:`ConfigError` naming ``source``."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from None
-    except RecursionError:
-        # PyYAML composes and constructs nodes recursively, so a document nested deeper than
-        # the interpreter's stack (e.g. ``[[[[...]]]]`` ~1,000 levels) would escape as a crash
-        # of check-config or a 500 from a reload instead of a config problem.
-        raise ConfigError(f"{source}: not valid YAML: nested too deeply to parse") from None
 
 
 def parse_policy_yaml(text: str, source: str = "<config>") -> PolicyConfig:

@@ -1,12 +1,13 @@
 """The building blocks of the typed configuration (scheduler/config.py): the number types its
 keys take, the strict model every section is, and the ``retention:`` section with the defaults
 a host KV tier brings. Kept apart so that config.py holds the policy sections and their
-parsing."""
+parsing (with the error every reader raises, and the YAML reader)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 NonNegative = Annotated[float, Field(ge=0.0)]
@@ -63,3 +64,20 @@ def host_tier_in(retention: Any) -> bool:
     if isinstance(retention, RetentionConfig):
         return retention.host_tier
     return isinstance(retention, dict) and retention.get("host_tier") is True
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names every offending key."""
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    """Parse YAML, turning syntax errors into a :class:`ConfigError` naming ``source``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {err}") from None
+    except RecursionError:
+        # PyYAML composes and constructs nodes recursively, so a document nested deeper than
+        # the interpreter's stack (e.g. ``[[[[...]]]]`` ~1,000 levels) would escape as a crash
+        # of check-config or a 500 from a reload instead of a config problem.
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply to parse") from None

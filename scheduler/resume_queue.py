@@ -24,7 +24,8 @@ class ResumeQueue:
     """Invariant 1: ``_order`` is sorted and holds exactly one key per entry of ``_keys``,
     and ``_demand`` one demand per entry.
 
-    Invariant 2: ``with_calls`` counts the entries whose group is not IDLE.
+    Invariant 2: ``with_calls`` counts the entries whose group is not IDLE, and
+    ``waiting_demand`` sums their demands.
 
     Invariant 3: the lazy heaps hold at most ``2·len + HEAP_SLACK`` entries
     (``2·with_calls + HEAP_SLACK`` for the largest-waiting one), stale ones dropped when they
@@ -42,6 +43,7 @@ class ResumeQueue:
         # lazy max-heap of (-demand, session) over programs with a call waiting
         self._largest_waiting: list[tuple[int, str]] = []
         self._with_calls = 0
+        self._waiting_demand = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -53,6 +55,11 @@ class ResumeQueue:
     def with_calls(self) -> int:
         """How many queued programs have a call waiting (groups WAITING and NEW)."""
         return self._with_calls
+
+    @property
+    def waiting_demand(self) -> int:
+        """The demand of the queued programs that have a call waiting, summed."""
+        return self._waiting_demand
 
     def put(self, session: str, group: int, demand: int, parked_since: float,
             priority: int = 0) -> None:
@@ -66,6 +73,7 @@ class ResumeQueue:
         heapq.heappush(self._smallest, (demand, session))
         if group != IDLE:
             self._with_calls += 1  # keeps invariant 2
+            self._waiting_demand += demand
             heapq.heappush(self._largest_waiting, (-demand, session))
         self._trim()  # keeps invariant 3
 
@@ -73,10 +81,11 @@ class ResumeQueue:
         key = self._keys.pop(session, None)
         if key is None:
             return
-        del self._demand[session]
+        demand = self._demand.pop(session)
         del self._order[bisect_left(self._order, key)]  # keeps invariant 1
         if key[0] != IDLE:
             self._with_calls -= 1  # keeps invariant 2
+            self._waiting_demand -= demand
         self._trim()  # keeps invariant 3
 
     def _trim(self) -> None:

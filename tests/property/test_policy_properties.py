@@ -79,6 +79,7 @@ configs = st.builds(
     growth_reserve_tokens=st.sampled_from([0, 256]),
     resume_aging_halflife_s=st.sampled_from([5.0, 60.0]),
     max_wait_s=st.sampled_from([None, 15.0, 90.0]),
+    wait_stretch_from=st.sampled_from([None, 0.5, 2.0]),
     dormant_quantile=st.sampled_from([None, 0.5, 0.9]),
     dormant_min_s=st.sampled_from([0.0, 5.0]),
     retention=st.builds(dict, enabled=st.booleans(), ttl_s=st.sampled_from([10.0, 300.0])),
@@ -128,6 +129,9 @@ class Run:
         self.cfg = self.policy.config
         self.inflight: dict[str, str] = {}   # request id -> worker, from the actions
         self.held: dict[str, tuple[str, float]] = {}  # request id -> (session, arrival)
+        # request id -> how long program_aware said it may be held (max_wait_s stretched by
+        # the oversubscription when it was held)
+        self.wait_limits: dict[str, float] = {}
         self.requests: dict[str, CallRequest] = {}
         self.paused_at: dict[str, float] = {}
         self.steps: dict[str, int] = {}
@@ -240,6 +244,11 @@ class Run:
         else:
             assert isinstance(decision, Hold) and decision.request_id == rid
             self.held[rid] = (sid, self.now)
+            max_wait = getattr(self.policy.config, "max_wait_s", None)
+            if max_wait is not None and self.name == "program_aware":
+                stretch = self.policy._resume.wait_stretch()
+                assert 1.0 <= stretch <= self.policy.config.max_wait_stretch
+                self.wait_limits[rid] = max_wait * stretch
             if self.checks and self.name not in ("program_aware", "thunderagent"):
                 assert not any(load.healthy for load in self.policy.ledger.workers()), (
                     "a router held a call while a worker was healthy")
@@ -433,7 +442,8 @@ class Run:
             # bounded waiting: after a tick no call has been held max_wait_s while a worker
             # could take its program
             for rid, (sid, arrival) in self.held.items():
-                assert now - arrival < max_wait, f"{rid} of {sid} held past max_wait_s"
+                limit = self.wait_limits.get(rid, max_wait)
+                assert now - arrival < limit, f"{rid} of {sid} held past max_wait_s (stretched: {limit})"
         idle = self.cfg.idle_release_s
         for sid, program in policy.programs.items():
             if not program.in_flight and not program.waiting:

@@ -883,9 +883,48 @@ def test_a_program_no_worker_can_resume_gets_a_reserved_worker_nothing_else_is_p
 
 def test_the_learnt_dormancy_cutoff_is_reported_as_an_adaptive_setting() -> None:
     d = Driver(make(dormant_quantile=0.5, dormant_min_s=0.0))
-    assert d.p.adaptive_settings() == {}
+    assert "dormancy_cutoff_s" not in d.p.adaptive_settings()
     _learn_tool_times(d, 4.0)
-    assert d.p.adaptive_settings() == {"dormancy_cutoff_s": 4.0}
+    assert d.p.adaptive_settings()["dormancy_cutoff_s"] == 4.0
+
+
+def _deep_overload(**keys) -> Driver:
+    """w0 (1,000 tokens) runs 950; n1 (1,000) is held at t=1 with the fleet at 1.95 pools,
+    n2 (1,050) at t=1 with it at 3.0 pools."""
+    d = Driver(make(max_wait_s=30.0, resume_priority_boost_s=0.0, **keys))
+    d.reasoning("a", 950)
+    assert isinstance(d.arrive("n1", 1000, now=1.0), Hold)
+    assert isinstance(d.arrive("n2", 1050, now=1.0), Hold)
+    return d
+
+
+def test_under_deep_overload_a_held_call_waits_max_wait_s_stretched_by_the_oversubscription() -> None:
+    d = _deep_overload(wait_stretch_from=1.5)
+    assert d.p._resume.oversubscription() == pytest.approx(3.0)
+    assert d.p.adaptive_settings()["wait_stretch"] == pytest.approx(2.0)
+    # held at 1.95 pools: 30 s × 1.3; at 3.0 pools: 30 s × 2
+    assert of(d.p.tick(39.9), Admit) == []
+    assert [a.request_id for a in of(d.p.tick(40.0), Admit)] == ["n1#1"]
+    assert of(d.p.tick(60.9), Admit) == []
+    assert [a.request_id for a in of(d.p.tick(61.0), Admit)] == ["n2#1"]
+
+
+def test_the_stretch_is_capped_and_can_be_switched_off() -> None:
+    capped = _deep_overload(wait_stretch_from=1.5, max_wait_stretch=1.5)
+    assert [a.request_id for a in of(capped.p.tick(40.0), Admit)] == ["n1#1"]  # 1.3 < the cap
+    assert of(capped.p.tick(45.9), Admit) == []
+    assert [a.request_id for a in of(capped.p.tick(46.0), Admit)] == ["n2#1"]  # 30 s × 1.5
+    off = _deep_overload(wait_stretch_from=None)
+    assert off.p.adaptive_settings()["wait_stretch"] == 1.0
+    assert of(off.p.tick(30.9), Admit) == []
+    assert sorted(a.request_id for a in of(off.p.tick(31.0), Admit)) == ["n1#1", "n2#1"]
+
+
+def test_a_clients_deadline_is_not_stretched() -> None:
+    d = _deep_overload(wait_stretch_from=1.5)
+    assert isinstance(d.arrive("n3", 10, now=1.0, hints=CallHints(deadline_s=5.0)), Hold)
+    assert of(d.p.tick(5.9), Admit) == []
+    assert [a.request_id for a in of(d.p.tick(6.0), Admit)] == ["n3#1"]
 
 
 def test_an_overdue_call_goes_at_the_first_tick_after_a_worker_comes_back() -> None:

@@ -26,8 +26,9 @@ calls → resume (forced, reserved, in order) → pause → soft band → retent
   parent's worker for a sub-agent, else best fit (the fitting worker with the least headroom
   left). "Fits" means ``U ≤ threshold − resume_hysteresis`` afterwards. A program parked for
   ``force_resume_after_s`` is resumed regardless (its home, else the emptiest worker).
-- **Bounded waiting (v2)** (``resume.py``): a call held ``max_wait_s`` (shortened by the
-  client's ``deadline_s``) goes ahead: its program is resumed on its home, else the emptiest
+- **Bounded waiting (v2)** (``resume.py``): a call held ``max_wait_s`` (stretched in
+  proportion when the programs that want to run ask for more than ``wait_stretch_from``
+  pools, at most ``max_wait_stretch`` times; shortened by the client's ``deadline_s``) goes ahead: its program is resumed on its home, else the emptiest
   worker, room or not (counted in ``wait_limit_resumes``); the pause pass then makes room. A
   program larger than any worker's resume limit gets a reserved worker instead of waiting
   for that: nothing else is placed there, and it resumes when it fits or, forced, once

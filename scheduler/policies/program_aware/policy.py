@@ -21,8 +21,8 @@ Invariant 2: a resume that is not forced leaves its worker at ``U ≤`` its thre
 ``resume_hysteresis``.
 
 Invariant 3: after a tick, while some worker takes programs, no call has been held
-``max_wait_s`` (or its client's deadline) and no program has been PAUSED
-``force_resume_after_s``.
+``max_wait_s`` (stretched by the oversubscription when it was held, :meth:`.resume.Resumption.
+wait_stretch`; or its client's deadline) and no program has been PAUSED ``force_resume_after_s``.
 
 Invariant 4: nothing in flight is ever aborted: a program pauses only between calls, and one
 marked while reasoning pauses when its last call ends.
@@ -90,8 +90,11 @@ class ProgramAwarePolicy(Policy):
         return self._dormancy.cutoff()
 
     def adaptive_settings(self) -> dict[str, float]:
+        settings = {"wait_stretch": self._resume.wait_stretch()}
         cutoff = self._dormancy.cutoff()
-        return {} if cutoff is None else {"dormancy_cutoff_s": cutoff}
+        if cutoff is not None:
+            settings["dormancy_cutoff_s"] = cutoff
+        return settings
 
     # -- arrivals and completions ----------------------------------------------------
 

@@ -4,8 +4,9 @@
 A program is parked while it is PAUSED, or PENDING with a call held. Four ways back, in
 the tick's order:
 
-- **overdue**: a call held ``max_wait_s`` (shortened by the client's deadline) goes ahead
-  with its program, room or not: its home, else the emptiest worker;
+- **overdue**: a call held ``max_wait_s`` (stretched under deep overload, shortened by the
+  client's deadline) goes ahead with its program, room or not: its home, else the emptiest
+  worker;
 - **forced**: a program parked ``force_resume_after_s`` resumes the same way;
 - **reserved**: a waiting program larger than any worker's resume limit gets a worker
   reserved for it (:class:`.placement.Reservations`) and resumes there once it fits or,
@@ -122,6 +123,17 @@ class Resumption:
     def demand_when_resumed(self, program: Program) -> int:
         return demand_when_resumed(program, self._calls, self.config.growth_reserve_tokens)
 
+    def oversubscription(self) -> float:
+        """What the programs that want to run ask of the fleet's KV, in pools: the load of
+        the workers that take programs (as ``U`` counts it) and the demand of the parked
+        programs with a call waiting, over those workers' capacity (0 with no capacity)."""
+        capacity = load = 0
+        for worker in self._ledger.workers():
+            if worker.accepts_programs:
+                capacity += worker.capacity_tokens or 0
+                load += self._ledger.load_tokens(worker.name)
+        return (load + self._queue.waiting_demand) / capacity if capacity else 0.0
+
     def someone_waits(self, program: Program) -> bool:
         """Whether another program waits with a call (a new one then queues behind it)."""
         own = 1 if program.session_id in self._queue and program.waiting else 0
@@ -137,14 +149,29 @@ class Resumption:
             self._wait_deadlines.push((now + wait, request.request_id))  # keeps invariant 2
 
     def _longest_wait(self, request: CallRequest) -> float | None:
-        """How long a held call may wait before it goes ahead: ``max_wait_s``, shortened by
-        the client's deadline (``CallHints.deadline_s``); None: until there is room."""
+        """How long a held call may wait before it goes ahead: ``max_wait_s`` stretched by
+        :meth:`wait_stretch`, shortened by the client's deadline (``CallHints.deadline_s``,
+        never stretched); None: until there is room."""
         deadline = request.hints.deadline_s if request.hints is not None else None
+        own = self.config.max_wait_s
+        if own is not None:
+            own *= self.wait_stretch()
         if deadline is None:
-            return self.config.max_wait_s
-        if self.config.max_wait_s is None:
+            return own
+        if own is None:
             return deadline
-        return min(deadline, self.config.max_wait_s)
+        return min(deadline, own)
+
+    def wait_stretch(self) -> float:
+        """How much longer than ``max_wait_s`` a call held now may wait: the fleet's
+        :meth:`oversubscription` over ``wait_stretch_from``, between 1 and
+        ``max_wait_stretch``. Under deep overload a program must spend most of its life
+        waiting (Little's law); bounded below that, each overdue call resumes its program by
+        force into a full pool, and the pause pass evicts another to make room for it."""
+        start = self.config.wait_stretch_from
+        if start is None:
+            return 1.0
+        return min(self.config.max_wait_stretch, max(1.0, self.oversubscription() / start))
 
     def call_ended(self, program: Program, now: float) -> None:
         """A call of ``program`` ended (completed or aborted)."""
