@@ -891,7 +891,7 @@ def test_the_learnt_dormancy_cutoff_is_reported_as_an_adaptive_setting() -> None
 def _deep_overload(**keys) -> Driver:
     """w0 (1,000 tokens) runs 950; n1 (1,000) is held at t=1 with the fleet at 1.95 pools,
     n2 (1,050) at t=1 with it at 3.0 pools."""
-    d = Driver(make(max_wait_s=30.0, resume_priority_boost_s=0.0, **keys))
+    d = Driver(make(max_wait_s=30.0, resume_priority_boost_s=0.0, **{"max_wait_stretch": 4.0, **keys}))
     d.reasoning("a", 950)
     assert isinstance(d.arrive("n1", 1000, now=1.0), Hold)
     assert isinstance(d.arrive("n2", 1050, now=1.0), Hold)
