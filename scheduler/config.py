@@ -15,7 +15,6 @@ import functools
 import warnings
 from typing import Annotated, Any, Literal, Union, get_args
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -28,6 +27,8 @@ from pydantic import (
     create_model,
     model_validator,
 )
+
+from scheduler.config_text import ConfigError, load_yaml_text  # re-exported: read from here too
 
 NonNegative = Annotated[float, Field(ge=0.0)]
 Positive = Annotated[float, Field(gt=0.0)]
@@ -531,10 +532,6 @@ def make_policy_config(data: dict[str, Any] | None = None) -> PolicyConfig:
     return _adapter().validate_python(data or {})
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names every offending key."""
-
-
 def format_validation_errors(err: ValidationError, prefix: str) -> str:
     """One line per error, each naming its key by its dotted path under ``prefix``."""
     lines = []
@@ -566,19 +563,6 @@ def parse_policy_config(data: Any, prefix: str = "policy") -> PolicyConfig:
         return make_policy_config(data)
     except ValidationError as err:
         raise ConfigError(format_validation_errors(err, prefix)) from None
-
-
-def load_yaml_text(text: str, source: str) -> Any:
-    """Parse YAML, turning syntax errors into a :class:`ConfigError` naming ``source``."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from None
-    except RecursionError:
-        # PyYAML composes and constructs nodes recursively, so a document nested deeper than
-        # the interpreter's stack (e.g. ``[[[[...]]]]`` ~1,000 levels) would escape as a crash
-        # of check-config or a 500 from a reload instead of a config problem.
-        raise ConfigError(f"{source}: not valid YAML: nested too deeply to parse") from None
 
 
 def parse_policy_yaml(text: str, source: str = "<config>") -> PolicyConfig:
