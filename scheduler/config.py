@@ -128,6 +128,7 @@ class PolicyConfig(_Strict):
     sticky_least_loaded: RouterConfig | None = _carried()
     continuum: ContinuumConfig | None = _carried()
     autellix: AutellixConfig | None = _carried()
+    mori: MoriConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -316,6 +317,21 @@ class ThunderAgentConfig(PolicyConfig):
         return self.scheduler_interval_s
 
 
+class MoriConfig(ThunderAgentConfig):
+    """MORI, arXiv 2606.00866: ThunderAgent's keys (MORI is built on ThunderAgent, §5) and its
+    own; scheduler/policies/mori.py says where each value comes from."""
+
+    name: Literal["mori"] = "mori"  # type: ignore[assignment]
+    # Cycles (a call, then the tool call after it) the idleness is read over (§4.2: k = 5).
+    idleness_window: Annotated[int, Field(ge=1)] = 5
+    # The idleness of a program none of whose cycles was seen, where Eq. 1 is undefined
+    # (Sluice's choice: the midpoint, neither busy nor idle).
+    unobserved_idleness: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    # Each worker's host KV tier in tokens (0: none, a program is on GPU or waits); the
+    # simulator sets it from the tier it runs with (`--kv-offload-gb`).
+    host_tier_tokens: Annotated[int, Field(ge=0)] = 0
+
+
 class _Router(PolicyConfig):
     """The keys of a router without admission control (every call admitted on arrival)."""
 
@@ -422,8 +438,8 @@ BaselineConfig = create_model(  # type: ignore[call-overload]
        for old, (section, key) in _BASELINE_KEYS.items()},
 )
 
-for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, _Router, RouterConfig,
-                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig):
+for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, MoriConfig, _Router,
+                 RouterConfig, LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig):
     _section.model_rebuild()
 
 # Every policy a config can name, with its section: the sections PolicyConfig can carry

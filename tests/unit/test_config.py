@@ -16,6 +16,8 @@ from scheduler.config import (
     ContinuumConfig,
     KvAwareConfig,
     LeastLoadedConfig,
+    MoriConfig,
+    PolicyConfig,
     PolicyName,
     ProgramAwareConfig,
     RetentionConfig,
@@ -93,8 +95,15 @@ def test_the_architecture_docs_baseline_table_matches_the_config():
         defaults = make_policy_config({"name": policy})
         for key, value in zip(keys.split(", "), values.split(", "), strict=True):
             assert float(getattr(defaults, key)) == float(value), f"{policy}.{key}"
-            documented.add(key)
-    assert documented == {key for _, key in BASELINE_KEYS_MOVED.values()}
+            documented.add((policy, key))
+    # every key the deprecated bag had, and every key of a baseline added since (none of
+    # whose keys was ever in the bag) but the tick every router shares
+    moved = set(BASELINE_KEYS_MOVED.values())
+    since = {(name, key) for name in POLICY_NAMES if name != "program_aware"
+             and not any(policy == name for policy, _ in moved)
+             for key in section_class(name).model_fields
+             if key not in PolicyConfig.model_fields and key != "tick_interval_s"}
+    assert documented == moved | since
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():
@@ -263,7 +272,7 @@ def test_policy_names_are_exactly_the_registered_policies():
 
     assert set(POLICY_NAMES) == set(POLICIES)
     assert {"program_aware", "round_robin", "least_loaded", "kv_aware", "sticky_least_loaded",
-            "thunderagent", "continuum", "autellix"} == set(POLICY_NAMES)
+            "thunderagent", "continuum", "autellix", "mori"} == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -305,7 +314,8 @@ def test_each_policy_gets_its_own_section_type():
     assert sections == {"program_aware": ProgramAwareConfig, "thunderagent": ThunderAgentConfig,
                         "round_robin": RouterConfig, "least_loaded": LeastLoadedConfig,
                         "kv_aware": KvAwareConfig, "sticky_least_loaded": RouterConfig,
-                        "continuum": ContinuumConfig, "autellix": AutellixConfig}
+                        "continuum": ContinuumConfig, "autellix": AutellixConfig,
+                        "mori": MoriConfig}
     assert not hasattr(parse_policy_config({"name": "least_loaded"}), "pause_threshold")
     assert PolicyName.__args__ == POLICY_NAMES  # derived, not a second list
 
@@ -389,7 +399,7 @@ def test_fractions_are_bounded_at_twice_the_pool():
 
 @pytest.mark.parametrize("section", [RetentionConfig, BaselineConfig, ProgramAwareConfig,
                                      ThunderAgentConfig, RouterConfig, LeastLoadedConfig,
-                                     KvAwareConfig, ContinuumConfig, AutellixConfig])
+                                     KvAwareConfig, ContinuumConfig, AutellixConfig, MoriConfig])
 def test_every_model_is_strict(section):
     assert section.model_config["extra"] == "forbid" and section.model_config["strict"] is True
 
