@@ -11,6 +11,7 @@ import pytest
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Resume
 from scheduler.config import make_policy_config
+from scheduler.policies import make_policy
 from tests.unit.test_baselines import Driver, make, of, sessions
 
 POOL = 1_000
@@ -217,3 +218,18 @@ def test_the_control_loop_runs_every_five_seconds_and_not_after_completions() ->
     policy = make("mori")
     assert (policy.tick_interval_s, policy.ticks_after_completion) == (5.0, False)
 
+
+def test_the_simulator_gives_mori_the_host_tier_it_runs_with(monkeypatch) -> None:
+    import sim.runs as runs
+    from sim.step_time import model_of
+
+    built = []
+    monkeypatch.setattr(runs, "make_policy", lambda config: built.append(config) or make_policy(config))
+    for gib, config in ((200.0, None), (0.0, None), (200.0, make_policy_config(
+            {"name": "mori", "host_tier_tokens": 1_000}))):
+        runs.run_policies(["mori"], lambda: runs.workload_feed("swebench", 1, 7), workers=1,
+                          preset="llama3.1-8b-h100", duration_s=1.0, kv_offload_gib=gib,
+                          policy_config=config, show_progress=False)
+    tier = runs.host_tier_tokens(model_of("llama3.1-8b-h100").with_host_tier(200.0), 64)
+    assert tier == 1_638_400  # 200 GiB of 128 KiB tokens, in whole 64-token chunks
+    assert [config.host_tier_tokens for config in built] == [tier, 0, 1_000]
