@@ -12,7 +12,7 @@ import pytest
 from scheduler.actions import Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Resume
 from scheduler.config import make_policy_config
 from scheduler.policies import make_policy
-from tests.unit.test_baselines import Driver, make, of, sessions
+from tests.unit.test_baselines import Driver, make, sessions
 
 POOL = 1_000
 ONE_PROGRAM = 400  # 300 tokens of context + 100
@@ -22,11 +22,10 @@ def mori(workers: dict[str, int] | None = None, **keys) -> Driver:
     return Driver(make("mori", workers if workers is not None else {"w0": POOL}, **keys))
 
 
-def call(d: Driver, sid: str, start: float, reasoning_s: float, context: int = 300,
-         prompt: int = 1) -> list:
+def call(d: Driver, sid: str, start: float, reasoning_s: float, context: int = 300) -> list:
     """A call of ``sid`` arriving at ``start`` and answered ``reasoning_s`` later; its program
     then holds ``context`` tokens and is in its next tool call."""
-    decision = d.arrive(sid, prompt, now=start)
+    decision = d.arrive(sid, 1, now=start)
     assert isinstance(decision, Admit), decision
     return d.finish(decision.request_id, context, now=start + reasoning_s)
 
