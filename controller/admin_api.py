@@ -31,7 +31,7 @@ from controller.errors import (
 from controller.fleet import Fleet
 from controller.serve_config import WorkerConfig
 from controller.workers import MembershipError, WorkerMode
-from scheduler.config import format_validation_errors
+from scheduler.config_reading import format_validation_errors
 
 
 class AdminApi:

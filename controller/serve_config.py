@@ -18,7 +18,7 @@ One YAML document, every top-level key optional except ``workers``::
 
 Errors name the key with its dotted path (``workers.1.url: ...``), as ``check-config`` does
 for ``policy:``; the ``policy:`` section is validated by
-:func:`scheduler.config.parse_policy_config`, so both report alike.
+:func:`scheduler.config_reading.parse_policy_config`, so both report alike.
 """
 
 from __future__ import annotations
@@ -30,15 +30,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from scheduler.config import (
-    AnyPolicyConfig,
-    ConfigError,
-    PolicyConfig,
-    ProgramAwareConfig,
-    format_validation_errors,
-    load_yaml_text,
-    parse_policy_config,
-)
+from scheduler.config import ConfigError, PolicyConfig, ProgramAwareConfig, load_yaml_text
+
+from scheduler.config_reading import AnyPolicyConfig, format_validation_errors, parse_policy_config
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"

@@ -43,7 +43,8 @@ def check_config(
 
 
 def _check_config(path: str) -> None:
-    from scheduler.config import ConfigError, load_yaml_text, parse_policy_config
+    from scheduler.config import ConfigError, load_yaml_text
+    from scheduler.config_reading import parse_policy_config
 
     from controller.serve_config import load_serve_config, read_config_file
 

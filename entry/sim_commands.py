@@ -21,7 +21,8 @@ from entry.simworker_command import simworker
 from entry.trace_input import load_trace
 from entry.tune_command import tune
 from entry.usage_error import usage_error
-from scheduler.config import POLICY_NAMES, ConfigError, parse_policy_yaml
+from scheduler.config import POLICY_NAMES, ConfigError
+from scheduler.config_reading import parse_policy_yaml
 from sim.preset_file import read_preset_file
 from sim.report import format_table, with_ceiling_ratio, write_json
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, ends_with_its_programs,

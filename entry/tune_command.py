@@ -312,7 +312,7 @@ def _verdict(study, chosen, check) -> list[str]:
 def _check_policy_file(text: str, out: Path) -> None:
     """The file must be one `check-config` and `serve` accept; a failure here is a bug in
     the search space, so it is raised, not reported as the user's error."""
-    from scheduler.config import parse_policy_yaml
+    from scheduler.config_reading import parse_policy_yaml
 
     parse_policy_yaml(text, str(out))
 

@@ -11,20 +11,10 @@ find the line to fix.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import (
-    Discriminator,
-    Field,
-    PrivateAttr,
-    Tag,
-    TypeAdapter,
-    ValidationError,
-    create_model,
-    model_validator,
-)
+from pydantic import Field, PrivateAttr, create_model, model_validator
 
 from scheduler.config_types import (
     HOST_TIER_DEFAULTS,
@@ -36,7 +26,7 @@ from scheduler.config_types import (
     RetentionConfig,
     Strict,
     host_tier_in,
-    load_yaml_text,
+    load_yaml_text,  # re-exported, as ConfigError: the shells read both from here
 )
 
 # How far below pause_threshold a pause pass stops when pause_target is not given.
@@ -82,6 +72,7 @@ class PolicyConfig(Strict):
     continuum: ContinuumConfig | None = _carried()
     autellix: AutellixConfig | None = _carried()
     sticky_kv: StickyKvConfig | None = _carried()
+    mori: MoriConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -277,6 +268,21 @@ class ThunderAgentConfig(PolicyConfig):
         return self.scheduler_interval_s
 
 
+class MoriConfig(ThunderAgentConfig):
+    """MORI, arXiv 2606.00866: ThunderAgent's keys (MORI is built on ThunderAgent, §5) and its
+    own; scheduler/policies/mori.py says where each value comes from."""
+
+    name: Literal["mori"] = "mori"  # type: ignore[assignment]
+    # Cycles (a call, then the tool call after it) the idleness is read over (§4.2: k = 5).
+    idleness_window: Annotated[int, Field(ge=1)] = 5
+    # The idleness of a program none of whose cycles was seen, where Eq. 1 is undefined
+    # (Sluice's choice: the midpoint, neither busy nor idle).
+    unobserved_idleness: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    # Each worker's host KV tier in tokens (0: none, a program is on GPU or waits); the
+    # simulator sets it from the tier it runs with (`--kv-offload-gb`).
+    host_tier_tokens: Annotated[int, Field(ge=0)] = 0
+
+
 class _Router(PolicyConfig):
     """The keys of a router without admission control (every call admitted on arrival)."""
 
@@ -429,8 +435,9 @@ BaselineConfig = create_model(  # type: ignore[call-overload]
        for old, (section, key) in _BASELINE_KEYS.items()},
 )
 
-for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, _Router, RouterConfig,
-                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig, StickyKvConfig):
+for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, MoriConfig, _Router,
+                 RouterConfig, LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig,
+                 StickyKvConfig):
     _section.model_rebuild()
 
 # Every policy a config can name, with its section: the sections PolicyConfig can carry
@@ -510,76 +517,3 @@ def _move_baseline_keys(data: dict[str, Any], baselines: Any, name: str
         section[key] = getattr(baselines, old)
         notes.append(f"policy.baselines.{old} is deprecated: read as policy.{where}; move the key")
     return moved, notes
-
-
-def _policy_name(data: Any) -> str:
-    if isinstance(data, dict):
-        return data.get("name", DEFAULT_POLICY)
-    return getattr(data, "name", DEFAULT_POLICY)
-
-
-# A policy section as pydantic validates it: a union discriminated by ``name`` (absent: the
-# default policy). Use it as a field's type; :func:`make_policy_config` validates a mapping.
-AnyPolicyConfig = Annotated[
-    Union[tuple(Annotated[section, Tag(name)] for name, section in _SECTION_OF.items())],  # type: ignore[valid-type]
-    Discriminator(_policy_name),
-]
-
-
-@functools.cache
-def _adapter() -> TypeAdapter[PolicyConfig]:
-    return TypeAdapter(AnyPolicyConfig)
-
-
-def make_policy_config(data: dict[str, Any] | None = None) -> PolicyConfig:
-    """Validate a mapping as the section its ``name`` chooses (pydantic's errors)."""
-    name = _policy_name(data or {})
-    if name not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-    return _adapter().validate_python(data or {})
-
-
-def format_validation_errors(err: ValidationError, prefix: str) -> str:
-    """One line per error, each naming its key by its dotted path under ``prefix``."""
-    lines = []
-    for item in err.errors():
-        parts = item["loc"]
-        if parts and parts[0] in POLICY_NAMES:
-            parts = parts[1:]  # the union's tag: which section was read, not a key
-        loc = ".".join(str(part) for part in parts)
-        msg = item["msg"].removeprefix("Value error, ")
-        if not loc:
-            lines.append(f"{prefix}: {msg}" if prefix else msg)
-        else:
-            lines.append(f"{prefix + '.' if prefix else ''}{loc}: {msg}")
-    return "\n".join(lines)
-
-
-def parse_policy_config(data: Any, prefix: str = "policy") -> PolicyConfig:
-    """Validate a mapping as the :class:`PolicyConfig` section its ``name`` chooses; errors
-    name ``prefix.key``."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
-    name = data.get("name", DEFAULT_POLICY)
-    if not isinstance(name, str) or name not in POLICY_NAMES:
-        raise ConfigError(f"{prefix}.name: unknown policy {name!r}; choose from "
-                          f"{', '.join(POLICY_NAMES)}")
-    try:
-        return make_policy_config(data)
-    except ValidationError as err:
-        raise ConfigError(format_validation_errors(err, prefix)) from None
-
-
-def parse_policy_yaml(text: str, source: str = "<config>") -> PolicyConfig:
-    """Read the ``policy:`` section of a Sluice YAML document (other sections are the shells')."""
-    data = load_yaml_text(text, source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping")
-    try:
-        return parse_policy_config(data.get("policy"), "policy")
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None

@@ -19,7 +19,9 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scheduler.config import ConfigError, format_validation_errors, load_yaml_text
+from scheduler.config import ConfigError, load_yaml_text
+
+from scheduler.config_reading import format_validation_errors
 from sim.step_time import Provenance, StepTimeModel
 
 NonNegative = Annotated[float, Field(ge=0.0)]

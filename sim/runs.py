@@ -126,7 +126,8 @@ def run_policies(
     :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`).
     ``kv_offload_gib`` > 0 gives every worker, under every policy, a host KV tier of that size
     (vLLM's native CPU offloading, ``--kv-offloading-size``), and tells the policies that know
-    the tier (program_aware's ``retention.host_tier``, unless the config set it).
+    the tier (program_aware's ``retention.host_tier``, mori's ``host_tier_tokens``, unless the
+    config set them).
     ``scheduling_policy`` is every engine's vLLM ``--scheduling-policy`` (the ceiling's too).
     ``preset`` is a named preset or a model (one read from a preset file). ``policy_costs``
     (:func:`~sim.step_time.policy_cost_terms` of the preset) sets the cost terms of each
@@ -147,6 +148,8 @@ def run_policies(
                 update=policy_costs_taken(policy_for_run, policy_costs))
         if model.kv_offload_gib > 0:
             policy_for_run = policy_for_run.for_host_tier()  # the policy knows its fleet's tier
+            policy_for_run = policy_for_run.model_copy(update=host_tier_taken(
+                policy_for_run, host_tier_tokens(model, block_size)))
         policy = make_policy(policy_for_run)
         progress = Progress(f"{label}{shown}") if show_progress else None
         simulation = Simulation(policy, feed_for(), workers=workers, model=model,
@@ -177,6 +180,21 @@ def policy_costs_taken(config: PolicyConfig, costs: Mapping[str, float]) -> dict
     costs are positive; a term a fit put at 0 leaves the configured one)."""
     return {key: value for key, value in costs.items()
             if key in type(config).model_fields and key not in config.model_fields_set and value > 0}
+
+
+def host_tier_tokens(model: StepTimeModel, block_size: int | None) -> int:
+    """Tokens each worker's host tier holds: its whole chunks (one GPU block each,
+    sim/offloading.py) of ``model.kv_offload_gib``."""
+    size = block_size or model.block_size
+    return int(model.kv_offload_gib * (1 << 30)) // (model.kv_bytes_per_token * size) * size
+
+
+def host_tier_taken(config: PolicyConfig, tokens: int) -> dict[str, int]:
+    """What ``config`` takes of its fleet's host tier: ``host_tier_tokens`` = ``tokens`` for a
+    section that has the key (mori's) and whose file left it unset."""
+    if "host_tier_tokens" in type(config).model_fields and "host_tier_tokens" not in config.model_fields_set:
+        return {"host_tier_tokens": tokens}
+    return {}
 
 
 def policy_cost_notes(policy_config: PolicyConfig | None, policies: Sequence[str],
@@ -213,6 +231,7 @@ def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: A
     return scale_times(programs, time_scale), block_size
 
 
-__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "policy_cost_notes",
+__all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "host_tier_taken",
+           "host_tier_tokens", "policy_cost_notes",
            "policy_costs_taken", "preset_policy_costs", "preset_record", "replay_programs", "run_policies",
            "scale_times", "trace_span_s", "workload_feed"]

@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_text, parse_policy_config
+from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_text
+
+from scheduler.config_reading import parse_policy_config
 from sim.preset_file import read_preset_file
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,

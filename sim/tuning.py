@@ -58,7 +58,9 @@ from typing import Any, Protocol
 
 import yaml
 
-from scheduler.config import PolicyConfig, make_policy_config
+from scheduler.config import PolicyConfig
+
+from scheduler.config_reading import make_policy_config
 from sim.programs import ProgramSpec
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, run_policies, trace_span_s,
                       workload_feed)

@@ -6,6 +6,7 @@ from scheduler.config import PolicyConfig, ProgramAwareConfig
 from scheduler.policies.autellix import AutellixPolicy
 from scheduler.policies.base import Policy
 from scheduler.policies.continuum import ContinuumPolicy
+from scheduler.policies.mori import MoriPolicy
 from scheduler.policies.program_aware import ProgramAwarePolicy
 from scheduler.policies.routing import (
     KvAwarePolicy,
@@ -28,6 +29,7 @@ POLICIES: dict[str, type[Policy]] = {
         ContinuumPolicy,
         AutellixPolicy,
         StickyKvPolicy,
+        MoriPolicy,
     )
 }
 

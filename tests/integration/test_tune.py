@@ -12,7 +12,8 @@ import yaml
 from typer.testing import CliRunner
 
 from controller.serve_config import load_serve_config
-from scheduler.config import ProgramAwareConfig, parse_policy_yaml
+from scheduler.config import ProgramAwareConfig
+from scheduler.config_reading import parse_policy_yaml
 from sim.tuning import default_params
 from tests.support.cli import assert_error, invoke
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from scheduler.actions import Admit, Release
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import make_policy_config
+from scheduler.config_reading import make_policy_config
 from scheduler.coordinates import SessionId
 from scheduler.policies import POLICIES, make_policy
 from scheduler.programs import Program
@@ -96,6 +96,10 @@ BOUNDS: dict[str, str] = {
     "_keep._retained_until": LIVE,
     "_keep._due": LIVE,
     "_keep._refresh._heap": LIVE,
+    # mori: each program's idleness window, and each worker's host-tier book
+    "_windows": LIVE,
+    "_windows.values.cycles": WINDOW,  # idleness_window cycles
+    "_host": WORKER,
 }
 
 
@@ -170,8 +174,8 @@ class Life:
         policy, _, variant = self.name.partition("+")
         config = make_policy_config({"name": policy, "idle_release_s": 120.0}
                                     | ({"force_resume_after_s": 60.0}
-                                       if policy in ("program_aware", "thunderagent") else {})
-                                    | (TIERED if variant == "host_tier" else {}))
+                                       if policy in ("program_aware", "thunderagent", "mori") else {})
+                                    | (TIERED[policy] if variant == "host_tier" else {}))
         self.policy = make_policy(config)
         for worker in WORKERS:
             self.policy.add_worker(worker, CAPACITY)
@@ -258,8 +262,10 @@ class Life:
 
 # program_aware with a host tier and quick dormancy: offloads, predicted prefetches and
 # home-anchored resumes run too
-TIERED = {"retention": {"host_tier": True}, "dormant_min_s": 0.0}
-LIVES = [*sorted(POLICIES), "program_aware+host_tier"]
+# mori with a host tier as large as the pool: offloads, promotions home and displacements run
+TIERED = {"program_aware": {"retention": {"host_tier": True}, "dormant_min_s": 0.0},
+          "mori": {"host_tier_tokens": CAPACITY}}
+LIVES = [*sorted(POLICIES), "program_aware+host_tier", "mori+host_tier"]
 
 
 def live_a_life(name: str, seed: int, steps: int) -> Life:

@@ -20,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
+from scheduler.actions import Admit, Demote, Hold, Mark, Offload, Pause, Prefetch, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import make_policy_config, section_class
+from scheduler.config import section_class
+from scheduler.config_reading import make_policy_config
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scheduler.policies import POLICIES, make_policy
@@ -83,6 +84,7 @@ configs = st.builds(
     dormant_quantile=st.sampled_from([None, 0.5, 0.9]),
     dormant_min_s=st.sampled_from([0.0, 5.0]),
     retention=st.builds(dict, enabled=st.booleans(), ttl_s=st.sampled_from([10.0, 300.0])),
+    host_tier_tokens=st.sampled_from([0, 3_000]),  # mori's
 ).flatmap(lambda base: st.sampled_from([
     {},  # the published defaults: 0.95 / 0.80 / hysteresis 0.10
     {"pause_threshold": 0.9, "pause_target": 0.5, "resume_hysteresis": 0.0,
@@ -93,6 +95,11 @@ configs = st.builds(
 capacities = st.tuples(st.sampled_from([4_000, 2_500, 8_000]),
                        st.sampled_from([4_000, 2_500, 8_000]),
                        st.sampled_from([None, 3_000]))
+
+# The policies that hold and pause; of them, those whose threshold is the pool itself
+# (ThunderAgent's, which mori is built on).
+PAUSING = ("program_aware", "thunderagent", "mori")
+AT_CAPACITY = ("thunderagent", "mori")
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -177,13 +184,13 @@ class Run:
         policy._pause = pause
 
     def resume_limit(self) -> float:
-        if self.name == "thunderagent":
+        if self.name in AT_CAPACITY:
             return 1.0
         return self.cfg.pause_threshold - self.cfg.resume_hysteresis
 
     def over(self, worker: str) -> bool:
         """Does the pause pass act on ``worker``?"""
-        if self.name == "thunderagent":
+        if self.name in AT_CAPACITY:
             load = self.policy.ledger.worker(worker)
             return load.capacity_tokens - self.policy.ledger.load_tokens(worker) < 0
         return self.policy.ledger.utilization(worker) >= self.cfg.pause_threshold
@@ -196,6 +203,11 @@ class Run:
         if self.name == "thunderagent":
             load = policy.ledger.worker(worker)
             done = load.capacity_tokens - policy.ledger.load_tokens(worker) >= 0
+        elif self.name == "mori":
+            # it marks reasoning programs only until their KV covers what is over
+            over = policy.ledger.load_tokens(worker) - policy.ledger.worker(worker).capacity_tokens
+            marked = sum(policy.ledger.contribution(p.session_id) for p in on_worker if p.marked)
+            done = over <= 0 or (not acting and marked >= over)
         else:
             done = policy.projected_utilization(worker) <= self.cfg.pause_target + EPS
         assert done or (not acting and not unmarked), (
@@ -249,7 +261,7 @@ class Run:
                 stretch = self.policy._resume.wait_stretch()
                 assert 1.0 <= stretch <= self.policy.config.max_wait_stretch
                 self.wait_limits[rid] = max_wait * stretch
-            if self.checks and self.name not in ("program_aware", "thunderagent"):
+            if self.checks and self.name not in PAUSING:
                 assert not any(load.healthy for load in self.policy.ledger.workers()), (
                     "a router held a call while a worker was healthy")
 
@@ -339,7 +351,7 @@ class Run:
                 for rid in [r for r, (s, _) in self.held.items() if s == action.session_id]:
                     del self.held[rid]
             else:
-                assert isinstance(action, (Mark, Retain, Demote))
+                assert isinstance(action, (Mark, Retain, Demote, Offload, Prefetch))
         if self.checks:
             self.check_admits([a for a, _ in admits])
             if self.name == "program_aware":
@@ -374,7 +386,7 @@ class Run:
         for rid, (sid, _) in self.held.items():
             program = policy.programs[sid]
             assert rid in program.waiting
-            if self.name in ("program_aware", "thunderagent"):
+            if self.name in PAUSING:
                 # (a router may place a program by a later call while an earlier one,
                 # held when no worker was healthy, waits for the next tick)
                 assert not program.active
@@ -426,7 +438,7 @@ class Run:
 
     def check_after_tick(self) -> None:
         policy, now = self.policy, self.now
-        if self.name not in ("program_aware", "thunderagent"):
+        if self.name not in PAUSING:
             if any(load.healthy for load in policy.ledger.workers()):
                 assert not self.held, "a router kept calls held past a tick with a healthy worker"
             return
@@ -477,7 +489,15 @@ def test_thunderagent_invariants_and_determinism(operations, config, caps) -> No
     assert again.log == run.log
 
 
-@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"program_aware", "thunderagent"}))
+@settings(max_examples=500, **SETTINGS)
+@given(operations=op_lists, config=configs, caps=capacities)
+def test_mori_invariants_and_determinism(operations, config, caps) -> None:
+    run = play("mori", config, caps, operations)
+    again = play("mori", config, caps, operations, checks=False)
+    assert again.log == run.log
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - set(PAUSING)))
 @settings(max_examples=100, **SETTINGS)
 @given(operations=op_lists, config=configs, caps=capacities)
 def test_router_books_and_determinism(name, operations, config, caps) -> None:
@@ -495,7 +515,7 @@ def test_router_books_and_determinism(name, operations, config, caps) -> None:
 def test_hooks_observe_pause_and_resume_passes() -> None:
     script = [("burst", 1_200, False), ("drain", 900), ("tick", 1.0)]
     script += [("release", s) for s in range(4)] + [("tick", 1.0), ("tick", 70.0)]
-    for name in ("program_aware", "thunderagent"):
+    for name in PAUSING:
         run = play(name, {"force_resume_after_s": 60.0}, (4_000, 4_000, None), script)
         kinds = Counter(type(a).__name__ for entry in run.log if len(entry) == 3
                         and isinstance(entry[2], list) for a in entry[2])

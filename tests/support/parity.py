@@ -49,7 +49,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.serve_config import parse_serve_config
-from scheduler.config import parse_policy_config
+from scheduler.config_reading import parse_policy_config
 from scheduler.kv_events import EventBatchDecoder
 from scheduler.policies import make_policy
 from sim.engine import SCHEDULING_POLICIES

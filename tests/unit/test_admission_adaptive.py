@@ -41,16 +41,19 @@ def test_the_dormancy_cutoff_is_logged_when_learnt_and_when_it_moves_and_exporte
     log = RecordingLog()
     admission = Admission(policy, clock=lambda: 1_000.0, log=log)
     anyio.run(admission.tick)
-    assert log.infos == []  # nothing learnt yet
+    # nothing learnt yet: only the wait stretch, which the policy reports from the start
+    assert [fields["setting"] for _, fields in log.infos] == ["wait_stretch"]
     _tool_calls(policy, 4.0, 30)
     anyio.run(admission.tick)
     anyio.run(admission.tick)  # unchanged: not logged again
-    adapted = [fields for event, fields in log.infos if event == "policy setting adapted"]
+    adapted = [fields for event, fields in log.infos
+               if event == "policy setting adapted" and fields["setting"] == "dormancy_cutoff_s"]
     assert adapted == [{"policy": "program_aware", "setting": "dormancy_cutoff_s", "value": 4.0,
                         "previous": None}]
     _tool_calls(policy, 9.0, 40, start=500.0)
     anyio.run(admission.tick)
-    adapted = [fields for event, fields in log.infos if event == "policy setting adapted"]
+    adapted = [fields for event, fields in log.infos
+               if event == "policy setting adapted" and fields["setting"] == "dormancy_cutoff_s"]
     assert [f["value"] for f in adapted] == [4.0, 9.0]
     text = Metrics(admission).render().body.decode()
     samples = {(s.name, s.labels.get("setting")): s.value

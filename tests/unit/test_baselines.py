@@ -9,8 +9,8 @@ import pytest
 
 from scheduler.actions import Admit, Demote, Hold, Mark, Pause, Release, Resume, Retain
 from scheduler.calls import CallRequest, Usage
-from scheduler.config import (POLICY_NAMES, ConfigError, ProgramAwareConfig, ThunderAgentConfig,
-                              make_policy_config, parse_policy_config)
+from scheduler.config import POLICY_NAMES, ConfigError, ProgramAwareConfig, ThunderAgentConfig
+from scheduler.config_reading import make_policy_config, parse_policy_config
 from scheduler.coordinates import SessionId, mint_chain
 from scheduler.kv_events import BlockStored, EventBatch
 from scheduler.policies import POLICIES, make_policy

@@ -8,26 +8,46 @@ from pathlib import Path
 import pytest
 
 from scheduler.config import (
+
     BASELINE_KEYS_MOVED,
+
     POLICY_NAMES,
+
     AutellixConfig,
+
     BaselineConfig,
+
     ConfigError,
+
     ContinuumConfig,
+
     KvAwareConfig,
+
     LeastLoadedConfig,
+
+    MoriConfig,
+
+    PolicyConfig,
+
     PolicyName,
+
     ProgramAwareConfig,
+
     RetentionConfig,
+
     RouterConfig,
+
     StickyKvConfig,
+
     ThunderAgentConfig,
+
     load_yaml_text,
-    make_policy_config,
-    parse_policy_config,
-    parse_policy_yaml,
+
     section_class,
+
 )
+
+from scheduler.config_reading import make_policy_config, parse_policy_config, parse_policy_yaml
 
 # The v1 defaults: those published for the Dynamo port of ThunderAgent.
 DESIGN_DEFAULTS = {
@@ -101,9 +121,16 @@ def test_the_architecture_docs_baseline_table_matches_the_config():
         for key, value in zip(keys.split(", "), values.split(", "), strict=True):
             number = {"true": 1.0, "false": 0.0}.get(value) if value.isalpha() else float(value)
             assert float(getattr(defaults, key)) == number, f"{policy}.{key}"
-            documented.add(key)
-    assert documented == ({key for _, key in BASELINE_KEYS_MOVED.values()}
-                          | _own_keys(ContinuumConfig) | _own_keys(StickyKvConfig))
+            documented.add((policy, key))
+    # every key the deprecated bag had, every key of a baseline added since (none of whose
+    # keys was ever in the bag) but the tick every router shares, and continuum's own
+    moved = set(BASELINE_KEYS_MOVED.values())
+    since = {(name, key) for name in POLICY_NAMES if name != "program_aware"
+             and not any(policy == name for policy, _ in moved)
+             for key in section_class(name).model_fields
+             if key not in PolicyConfig.model_fields and key != "tick_interval_s"}
+    continuum = {("continuum", key) for key in _own_keys(ContinuumConfig)}
+    assert documented == moved | since | continuum
 
 
 def test_empty_or_absent_policy_section_gives_the_defaults():
@@ -272,7 +299,7 @@ def test_policy_names_are_exactly_the_registered_policies():
 
     assert set(POLICY_NAMES) == set(POLICIES)
     assert {"program_aware", "round_robin", "least_loaded", "kv_aware", "sticky_least_loaded",
-            "thunderagent", "continuum", "autellix", "sticky_kv"} == set(POLICY_NAMES)
+            "thunderagent", "continuum", "autellix", "sticky_kv", "mori"} == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -315,7 +342,8 @@ def test_each_policy_gets_its_own_section_type():
                         "round_robin": RouterConfig, "least_loaded": LeastLoadedConfig,
                         "kv_aware": KvAwareConfig, "sticky_least_loaded": RouterConfig,
                         "continuum": ContinuumConfig, "autellix": AutellixConfig,
-                        "sticky_kv": StickyKvConfig}
+                        "sticky_kv": StickyKvConfig,
+                        "mori": MoriConfig}
     assert not hasattr(parse_policy_config({"name": "least_loaded"}), "pause_threshold")
     assert PolicyName.__args__ == POLICY_NAMES  # derived, not a second list
 
@@ -399,7 +427,7 @@ def test_fractions_are_bounded_at_twice_the_pool():
 
 @pytest.mark.parametrize("section", [RetentionConfig, BaselineConfig, ProgramAwareConfig,
                                      ThunderAgentConfig, RouterConfig, LeastLoadedConfig,
-                                     KvAwareConfig, ContinuumConfig, AutellixConfig])
+                                     KvAwareConfig, ContinuumConfig, AutellixConfig, MoriConfig])
 def test_every_model_is_strict(section):
     assert section.model_config["extra"] == "forbid" and section.model_config["strict"] is True
 

@@ -10,7 +10,8 @@ import pytest
 
 from scheduler.actions import Admit, Retain
 from scheduler.calls import Usage
-from scheduler.config import ConfigError, ContinuumConfig, parse_policy_yaml
+from scheduler.config import ConfigError, ContinuumConfig
+from scheduler.config_reading import parse_policy_yaml
 from scheduler.policies.continuum import PINNED_TIER_S, Memoryfulness, cache_ttl
 from tests.unit.test_baselines import Driver, make, of
 

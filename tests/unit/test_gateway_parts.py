@@ -18,7 +18,8 @@ from controller.upstream import (
 )
 from controller.worker_answers import StreamTap, UsageCounts
 from controller.workers import CapacityUnknown, capacity_from_metrics
-from scheduler.config import POLICY_NAMES, ConfigError, make_policy_config
+from scheduler.config import POLICY_NAMES, ConfigError
+from scheduler.config_reading import make_policy_config
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = {"name": "w0", "url": "http://127.0.0.1:8000"}

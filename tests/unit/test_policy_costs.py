@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import sim.runs
-from scheduler.config import AutellixConfig, ContinuumConfig, ProgramAwareConfig, parse_policy_yaml
+from scheduler.config import AutellixConfig, ContinuumConfig, ProgramAwareConfig
+from scheduler.config_reading import parse_policy_yaml
 from sim.runs import policy_cost_notes, policy_costs_taken, preset_policy_costs, run_policies, workload_feed
 from sim.step_time import StepTimeModel, policy_cost_terms, preset
 

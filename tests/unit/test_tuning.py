@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from scheduler.config import ProgramAwareConfig, parse_policy_yaml
+from scheduler.config import ProgramAwareConfig
+
+from scheduler.config_reading import parse_policy_yaml
 from sim.programs import CallSpec, ProgramSpec
 from sim.simulation import SimResult
 from sim.tuning import (
