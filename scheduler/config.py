@@ -15,10 +15,7 @@ import functools
 import warnings
 from typing import Annotated, Any, Literal, Union, get_args
 
-import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     PrivateAttr,
@@ -29,64 +26,21 @@ from pydantic import (
     model_validator,
 )
 
-NonNegative = Annotated[float, Field(ge=0.0)]
-Positive = Annotated[float, Field(gt=0.0)]
-# A share of a worker's KV pool, as U is. U may pass 1.0: the active programs' demand can
-# exceed the pool, and the engine's LRU then evicts what is idle. A threshold above 1.0
-# oversubscribes on purpose; 2.0 (twice the pool) is the ceiling because past it most of
-# every active program's KV could never be resident at once, so each call would re-prefill
-# its context: the thrash that pausing exists to prevent.
-Fraction = Annotated[float, Field(ge=0.0, le=2.0)]
-
+from scheduler.config_base import (
+    HOST_TIER_DEFAULTS,
+    HOST_TIER_RETENTION_DEFAULTS,
+    ConfigError,
+    Fraction,
+    NonNegative,
+    Positive,
+    RetentionConfig,
+    Strict,
+    host_tier_in,
+    load_yaml_text,
+)
 
 # How far below pause_threshold a pause pass stops when pause_target is not given.
 PAUSE_TARGET_GAP = 0.02
-
-
-class _Strict(BaseModel):
-    # strict: a YAML `true` or "100" is not silently taken for a number
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class RetentionConfig(_Strict):
-    """Retention-bias directives sent to engines (architecture.md §3 "Retention")."""
-
-    enabled: bool = True
-    active_priority: Annotated[int, Field(ge=0, le=100)] = 90
-    ttl_s: Positive = 300.0
-    # Re-send a Retain when less than this share of its TTL is left.
-    refresh_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
-    # The workers have a host KV tier (vLLM's CPU offloading): program_aware sends Offload
-    # instead of Demote when it pauses a program, and Prefetch when it resumes one whose KV
-    # the tier holds (docs/design-notes.md "Host KV tier on real vLLM").
-    host_tier: bool = False
-    # Among prefetched sessions the tier gives up the lowest priority first.
-    prefetch_priority: Annotated[int, Field(ge=0, le=100)] = 50
-    # How long a Prefetch's favour lasts (None: until the session's call loads its blocks).
-    prefetch_deadline_s: Positive | None = None
-    # Offload a program when it turns dormant too (its KV then goes first on the GPU and its
-    # Retain is not refreshed until its next call), not only when it is paused.
-    offload_dormant: bool = False
-    # Prefetch an offloaded dormant program when its tool call is predicted to end (the
-    # median of the recent tool calls that lasted longer than it has so far), so that the tier
-    # keeps its KV for the call that is coming rather than for programs still in theirs.
-    prefetch_predicted: bool = True
-
-
-# With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
-# in host memory instead of being lost, so the policy may count less of what waits: programs
-# turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
-# offloaded then (and ``host_tier_overcommit`` applies). These are the defaults of the
-# keys a file leaves out when it turns the tier on (docs/architecture.md §3; measured in
-# experiments/results/host_tier/README.md).
-HOST_TIER_DEFAULTS: dict[str, Any] = {"dormant_quantile": 0.25, "dormant_min_s": 30.0}
-HOST_TIER_RETENTION_DEFAULTS: dict[str, Any] = {"offload_dormant": True}
-
-
-def _host_tier_in(retention: Any) -> bool:
-    if isinstance(retention, RetentionConfig):
-        return retention.host_tier
-    return isinstance(retention, dict) and retention.get("host_tier") is True
 
 
 def _carried() -> Any:
@@ -96,7 +50,7 @@ def _carried() -> Any:
     return Field(default=None, exclude=True, repr=False)
 
 
-class PolicyConfig(_Strict):
+class PolicyConfig(Strict):
     """The ``policy:`` section: one section per policy, chosen by ``name``
     (:data:`AnyPolicyConfig`, the union pydantic validates).
 
@@ -127,6 +81,7 @@ class PolicyConfig(_Strict):
     sticky_least_loaded: RouterConfig | None = _carried()
     continuum: ContinuumConfig | None = _carried()
     autellix: AutellixConfig | None = _carried()
+    vllm_router: VllmRouterConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -255,7 +210,7 @@ class ProgramAwareConfig(PolicyConfig):
         """The defaults that depend on other keys: with ``retention.host_tier`` the keys of
         :data:`HOST_TIER_DEFAULTS` the file leaves out take those values; then a left-out
         ``pause_target`` follows ``pause_threshold``."""
-        if isinstance(data, dict) and _host_tier_in(data.get("retention")):
+        if isinstance(data, dict) and host_tier_in(data.get("retention")):
             data = {**HOST_TIER_DEFAULTS, **data}
             retention = data["retention"]
             if isinstance(retention, dict):
@@ -378,6 +333,70 @@ class AutellixConfig(_Router):
     prefill_token_s: Positive = 3.6e-5
 
 
+class VllmRouterConfig(PolicyConfig):
+    """vllm-router's program scheduling (scheduler/policies/vllm_router/). Defaults are those of
+    the Configuration reference of vllm-project/router docs/program_scheduling.md (the doc),
+    under their names there, unless a comment says otherwise."""
+
+    name: Literal["vllm_router"] = "vllm_router"
+    # The doc's metrics_interval_seconds, its periodic scheduling interval: the tick. Not named
+    # tick_interval_s so that a comparison's file does not hand it program_aware's.
+    scheduler_interval_s: Positive = 1.0
+    # The doc's default is false; its text recommends true, and Sluice takes the recommendation.
+    global_queue: bool = True
+    # Rank-local resume order (cross-rank resume is always FCFS).
+    resume_order: Literal["mru", "fcfs"] = "mru"
+    # A destination needs the source's free tokens plus this many times the program's context.
+    cross_rank_headroom_ratio: NonNegative = 1.2
+    # Virtual nodes per worker on the consistent-hash ring of initial binding.
+    hash_virtual_nodes: Annotated[int, Field(ge=1)] = 160
+    # Active programs a worker takes at most (forced resumes excepted).
+    max_active_programs_per_target: Annotated[int, Field(ge=1)] = 64
+    # The longest a call waits in the pool; past it its program is released.
+    queue_timeout_seconds: Positive = 600.0
+    # The upper bound (and cold-start value) of the workload-derived force-resume deadline.
+    force_resume_timeout_seconds: Positive = 300.0
+    # An idle paused program is released after this long.
+    paused_retention_ttl_seconds: Positive = 1800.0
+    # Tokens every active program holds for its output beyond its context.
+    decode_buffer_tokens: Annotated[int, Field(ge=0)] = 100
+    # The cap of the acting TTL fitted to the interval window.
+    max_acting_ttl_seconds: NonNegative = 10.0
+    # Capacity repair starts above high x capacity and stops at low x capacity, the
+    # admission and resume limit.
+    high_watermark_ratio: Fraction = 1.0
+    low_watermark_ratio: Fraction = 1.0
+    # Continuous rounds after which an idle program yields to a waiter on its worker.
+    max_segment_rounds: Annotated[int, Field(ge=1)] = 14
+    # Samples each worker's windows need before their estimates replace the cold-start zeros.
+    stats_window_size: Annotated[int, Field(ge=1)] = 100
+    # Modelled decode batch gain may stand in for the growth reserve.
+    enable_batch_gain_admission: bool = True
+    # The cold-prefill model, seconds = intercept + linear x + quadratic x^2 (x: uncached
+    # tokens / 1000), and the decode throughput kept while prefill mixes in. The simulator
+    # takes the first three from its preset unless set here (sim/step_time.py).
+    prefill_intercept_seconds: NonNegative = 0.06600061907132926
+    prefill_linear_seconds_per_1k_tokens: NonNegative = 0.05702024012166613
+    prefill_quadratic_seconds_per_1k_tokens_squared: NonNegative = 0.0044057347937978475
+    decode_throughput_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.15
+    # The decode step, seconds = fixed + per_request B + per_context_token C; the simulator
+    # takes all three from its preset unless set here.
+    decode_fixed_step_seconds: Positive = 0.010635218423115973
+    decode_batch_step_seconds_per_request: NonNegative = 0.0004192803698834784
+    decode_context_step_seconds_per_token: NonNegative = 1.420458414996201e-7
+
+    @property
+    def tick_interval_s(self) -> float:
+        return self.scheduler_interval_s
+
+    @model_validator(mode="after")
+    def _watermarks_are_ordered(self) -> VllmRouterConfig:
+        if self.low_watermark_ratio > self.high_watermark_ratio:
+            raise ValueError(f"low_watermark_ratio ({self.low_watermark_ratio}) must be ≤ "
+                             f"high_watermark_ratio ({self.high_watermark_ratio})")
+        return self
+
+
 DEFAULT_POLICY = "program_aware"
 
 
@@ -415,14 +434,14 @@ BASELINE_KEYS_MOVED: dict[str, tuple[str, str]] = {
 # bounds), so a wrong value is refused naming the key where the file wrote it
 # (policy.baselines.…). Read only to move each key (:func:`_move_baseline_keys`).
 BaselineConfig = create_model(  # type: ignore[call-overload]
-    "BaselineConfig", __base__=_Strict,
+    "BaselineConfig", __base__=Strict,
     __doc__="The deprecated ``baselines:`` bag: every baseline's keys in one section.",
     **{old: (section.model_fields[key].annotation, section.model_fields[key])
        for old, (section, key) in _BASELINE_KEYS.items()},
 )
 
 for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, _Router, RouterConfig,
-                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig):
+                 LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig, VllmRouterConfig):
     _section.model_rebuild()
 
 # Every policy a config can name, with its section: the sections PolicyConfig can carry
@@ -531,10 +550,6 @@ def make_policy_config(data: dict[str, Any] | None = None) -> PolicyConfig:
     return _adapter().validate_python(data or {})
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names every offending key."""
-
-
 def format_validation_errors(err: ValidationError, prefix: str) -> str:
     """One line per error, each naming its key by its dotted path under ``prefix``."""
     lines = []
@@ -566,19 +581,6 @@ def parse_policy_config(data: Any, prefix: str = "policy") -> PolicyConfig:
         return make_policy_config(data)
     except ValidationError as err:
         raise ConfigError(format_validation_errors(err, prefix)) from None
-
-
-def load_yaml_text(text: str, source: str) -> Any:
-    """Parse YAML, turning syntax errors into a :class:`ConfigError` naming ``source``."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from None
-    except RecursionError:
-        # PyYAML composes and constructs nodes recursively, so a document nested deeper than
-        # the interpreter's stack (e.g. ``[[[[...]]]]`` ~1,000 levels) would escape as a crash
-        # of check-config or a 500 from a reload instead of a config problem.
-        raise ConfigError(f"{source}: not valid YAML: nested too deeply to parse") from None
 
 
 def parse_policy_yaml(text: str, source: str = "<config>") -> PolicyConfig:

@@ -14,6 +14,7 @@ from scheduler.policies.routing import (
     StickyLeastLoadedPolicy,
 )
 from scheduler.policies.thunderagent import ThunderAgentPolicy
+from scheduler.policies.vllm_router import VllmRouterPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -26,6 +27,7 @@ POLICIES: dict[str, type[Policy]] = {
         ThunderAgentPolicy,
         ContinuumPolicy,
         AutellixPolicy,
+        VllmRouterPolicy,
     )
 }
 

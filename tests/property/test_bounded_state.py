@@ -94,6 +94,13 @@ BOUNDS: dict[str, str] = {
     "_keep._retained_until": LIVE,
     "_keep._due": LIVE,
     "_keep._refresh._heap": LIVE,
+    # vllm_router: its request pool, per-program facts, acting-TTL deadlines, and each worker's
+    # windows (stats_window_size samples)
+    "_facts": LIVE,
+    "_ttl_deadlines._heap": LIVE,
+    "_factors": WORKER,
+    "_factors.values._calls": WINDOW,
+    "_factors.values._intervals": WINDOW,
 }
 
 
