@@ -19,7 +19,8 @@ from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig, load_yaml_
 from sim.preset_file import read_preset_file
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,
-                      policy_cost_notes, preset_policy_costs, preset_record, run_policies, workload_feed)
+                      policy_cost_notes, preset_policy_costs, preset_record, recorded_policy_costs,
+                      run_policies, workload_feed)
 from sim.step_time import DEFAULT_PRESET, StepTimeModel, presets
 
 
@@ -141,10 +142,11 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
     out.mkdir(parents=True, exist_ok=True)
     policies = list(sweep.policies) + ([CEILING] if sweep.ceiling else [])
     model = sweep.step_time_model
-    # a preset file's engine prices the policies' cost terms (explicit keys in `policy:` win)
+    # the preset prices the policies' cost terms (a named one only vllm_router's; explicit keys
+    # in `policy:` win)
     costs = preset_policy_costs(model, sweep.preset_file)
-    cost_notes = [] if costs is None else policy_cost_notes(policy_config, sweep.policies, costs,
-                                                            "the preset file")
+    source = "the preset file" if sweep.preset_file is not None else f"the {model.name} preset"
+    cost_notes = policy_cost_notes(policy_config, sweep.policies, costs, source)
     for note in cost_notes:
         sys.stderr.write(f"{note}\n")
     grid = [(sweep, policy_config, cc, policy) for cc in sweep.concurrency for policy in policies]
@@ -156,8 +158,9 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
                              f"{row['output_tokens_per_s']:.0f} tok/s, hit {row['hit_rate']:.1%}\n")
             sys.stderr.flush()
     rows = with_ceiling_ratio(rows, group="concurrency")
+    recorded = recorded_policy_costs(costs, sweep.preset_file, policy_config, sweep.policies)
     config = {**sweep.model_dump(), **preset_record(model, sweep.preset_file),
-              **({} if costs is None else {"policy_costs": costs})}
+              **({} if recorded is None else {"policy_costs": recorded})}
     (out / "results.json").write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
     table = format_markdown(rows, extra=("concurrency",))
     (out / "results.md").write_text(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import sim.runs
 from scheduler.actions import Admit, Hold, Mark, Pause, Release, Resume
 from scheduler.calls import CallHints, CallRequest, Usage
 from scheduler.config import ConfigError, VllmRouterConfig, make_policy_config, parse_policy_config
@@ -18,6 +19,8 @@ from scheduler.policies.vllm_router.progress_ttl import (
     fitted_acting_ttl_s,
 )
 from scheduler.policies.vllm_router.state import PauseReason
+from sim.runs import preset_policy_costs, run_policies, workload_feed
+from sim.step_time import preset, vllm_router_cost_terms
 from tests.unit.test_baselines import of, sessions
 
 
@@ -323,3 +326,23 @@ def test_the_section_keeps_the_docs_defaults_and_its_recommendation() -> None:
     assert config.global_queue and config.resume_order == "mru" and config.tick_interval_s == 1.0
     with pytest.raises(ConfigError, match="low_watermark_ratio"):
         parse_policy_config({"name": "vllm_router", "low_watermark_ratio": 1.0, "high_watermark_ratio": 0.9})
+
+
+def test_the_h100_preset_gives_vllm_router_its_derived_coefficients(monkeypatch) -> None:
+    made: list = []
+    make_policy_ = sim.runs.make_policy
+    monkeypatch.setattr(sim.runs, "make_policy", lambda config: made.append(config) or make_policy_(config))
+    model = preset("llama3.1-8b-h100")
+    costs = preset_policy_costs(model, None)
+    assert costs == vllm_router_cost_terms(model)
+    run_policies(["vllm_router", "autellix"], lambda: workload_feed("swebench", 2, 7), workers=1,
+                 preset="llama3.1-8b-h100", duration_s=5, show_progress=False, policy_costs=costs)
+    router, autellix = made
+    assert router.prefill_intercept_seconds == pytest.approx(model.base_s + model.seq_s)
+    assert router.prefill_linear_seconds_per_1k_tokens == pytest.approx(
+        1000 * (model.prefill_token_s + model.context_token_s))
+    assert router.prefill_quadratic_seconds_per_1k_tokens_squared == 0.0  # the preset has no attention term
+    assert (router.decode_fixed_step_seconds, router.decode_batch_step_seconds_per_request,
+            router.decode_context_step_seconds_per_token) == (model.base_s, model.seq_s, model.context_token_s)
+    assert router.decode_throughput_alpha == 0.15  # not calibrated: the doc's
+    assert (autellix.decode_token_s, autellix.prefill_token_s) == (0.02, 3.6e-5)  # as it was
