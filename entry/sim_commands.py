@@ -21,13 +21,13 @@ from entry.simworker_command import simworker
 from entry.trace_input import load_trace
 from entry.tune_command import tune
 from entry.usage_error import usage_error
-from scheduler.config import POLICY_NAMES, ConfigError
+from scheduler.config import POLICY_NAMES, ConfigError, PolicyConfig
 from scheduler.config_reading import parse_policy_yaml
 from sim.preset_file import read_preset_file
 from sim.report import format_table, with_ceiling_ratio, write_json
 from sim.runs import (DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS, ends_with_its_programs,
-                      preset_record,
-                      run_policies, trace_span_s, workload_feed)
+                      preset_record, recorded_policy_costs, run_policies, trace_span_s,
+                      workload_feed)
 from sim.step_time import StepTimeModel, presets
 
 
@@ -131,7 +131,8 @@ def sim(
                   "workers": workers, **preset_record(model, preset_file), "duration_s": duration,
                   "seed": seed, "block_size": block_size, "policies": names, "ceiling": ceiling,
                   "kv_offload_gib": _host_tier_gib(model, kv_offload_gib, host_tier),
-                  "scheduling_policy": scheduling_policy, **_costs_record(costs)}
+                  "scheduling_policy": scheduling_policy,
+                  **_costs_record(costs, preset_file, policy_config, names)}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
@@ -215,15 +216,18 @@ def replay(
         config = {"command": command_line(), "format": fmt, "trace": str(trace), "workers": workers,
                   **preset_record(model, preset_file), "time_scale": time_scale, "block_size": block_size,
                   "policies": names, "ceiling": ceiling, "concurrency": concurrency, "duration_s": duration,
-                  "scheduling_policy": scheduling_policy, **loader_options, **_costs_record(costs)}
+                  "scheduling_policy": scheduling_policy, **loader_options,
+                  **_costs_record(costs, preset_file, policy_config, names)}
         write_json(json_path, results, config)
         typer.echo(f"wrote {json_path}")
 
 
-def _costs_record(costs: dict[str, float] | None) -> dict[str, object]:
-    """What a result's ``config`` records of the policy cost terms its preset file gave (nothing
-    for a named preset, whose runs record what they always did)."""
-    return {} if costs is None else {"policy_costs": costs}
+def _costs_record(costs: dict[str, float], preset_file: Optional[Path],
+                  policy_config: PolicyConfig | None, names: list[str]) -> dict[str, object]:
+    """What a result's ``config`` records of the policy cost terms its preset gave
+    (:func:`~sim.runs.recorded_policy_costs`)."""
+    recorded = recorded_policy_costs(costs, preset_file, policy_config, names)
+    return {} if recorded is None else {"policy_costs": recorded}
 
 
 def _replay_loader_options(fmt: str, timing: Optional[str], warm_prefix: Optional[float]

@@ -56,13 +56,14 @@ def step_time_model(preset: str | None, preset_file: Path | None) -> StepTimeMod
 
 
 def policy_costs(model: StepTimeModel, preset_file: Path | None, policy_config: PolicyConfig | None,
-                 policies: Sequence[str]) -> dict[str, float] | None:
-    """The policies' cost terms from a preset file's model (None with a named preset), saying
-    on stderr what each policy that has them takes and keeps."""
+                 policies: Sequence[str]) -> dict[str, float]:
+    """The policies' cost terms from the preset (a named preset gives only vllm_router's:
+    :func:`~sim.runs.preset_policy_costs`), saying on stderr what each policy that has them
+    takes and keeps."""
     costs = preset_policy_costs(model, preset_file)
-    if costs is not None:
-        for note in policy_cost_notes(policy_config, policies, costs, "the preset file"):
-            typer.echo(note, err=True)
+    source = "the preset file" if preset_file is not None else f"the {model.name} preset"
+    for note in policy_cost_notes(policy_config, policies, costs, source):
+        typer.echo(note, err=True)
     return costs
 
 

@@ -73,6 +73,7 @@ class PolicyConfig(Strict):
     autellix: AutellixConfig | None = _carried()
     sticky_kv: StickyKvConfig | None = _carried()
     mori: MoriConfig | None = _carried()
+    vllm_router: VllmRouterConfig | None = _carried()
 
     _deprecation_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -393,6 +394,70 @@ class AutellixConfig(_Router):
     prefill_token_s: Positive = 3.6e-5
 
 
+class VllmRouterConfig(PolicyConfig):
+    """vllm-router's program scheduling (scheduler/policies/vllm_router/). Defaults are those of
+    the Configuration reference of vllm-project/router docs/program_scheduling.md (the doc),
+    under their names there, unless a comment says otherwise."""
+
+    name: Literal["vllm_router"] = "vllm_router"
+    # The doc's metrics_interval_seconds, its periodic scheduling interval: the tick. Not named
+    # tick_interval_s so that a comparison's file does not hand it program_aware's.
+    scheduler_interval_s: Positive = 1.0
+    # The doc's default is false; its text recommends true, and Sluice takes the recommendation.
+    global_queue: bool = True
+    # Rank-local resume order (cross-rank resume is always FCFS).
+    resume_order: Literal["mru", "fcfs"] = "mru"
+    # A destination needs the source's free tokens plus this many times the program's context.
+    cross_rank_headroom_ratio: NonNegative = 1.2
+    # Virtual nodes per worker on the consistent-hash ring of initial binding.
+    hash_virtual_nodes: Annotated[int, Field(ge=1)] = 160
+    # Active programs a worker takes at most (forced resumes excepted).
+    max_active_programs_per_target: Annotated[int, Field(ge=1)] = 64
+    # The longest a call waits in the pool; past it its program is released.
+    queue_timeout_seconds: Positive = 600.0
+    # The upper bound (and cold-start value) of the workload-derived force-resume deadline.
+    force_resume_timeout_seconds: Positive = 300.0
+    # An idle paused program is released after this long.
+    paused_retention_ttl_seconds: Positive = 1800.0
+    # Tokens every active program holds for its output beyond its context.
+    decode_buffer_tokens: Annotated[int, Field(ge=0)] = 100
+    # The cap of the acting TTL fitted to the interval window.
+    max_acting_ttl_seconds: NonNegative = 10.0
+    # Capacity repair starts above high x capacity and stops at low x capacity, the
+    # admission and resume limit.
+    high_watermark_ratio: Fraction = 1.0
+    low_watermark_ratio: Fraction = 1.0
+    # Continuous rounds after which an idle program yields to a waiter on its worker.
+    max_segment_rounds: Annotated[int, Field(ge=1)] = 14
+    # Samples each worker's windows need before their estimates replace the cold-start zeros.
+    stats_window_size: Annotated[int, Field(ge=1)] = 100
+    # Modelled decode batch gain may stand in for the growth reserve.
+    enable_batch_gain_admission: bool = True
+    # The cold-prefill model, seconds = intercept + linear x + quadratic x^2 (x: uncached
+    # tokens / 1000), and the decode throughput kept while prefill mixes in. The simulator
+    # takes the first three from its preset unless set here (sim/step_time.py).
+    prefill_intercept_seconds: NonNegative = 0.06600061907132926
+    prefill_linear_seconds_per_1k_tokens: NonNegative = 0.05702024012166613
+    prefill_quadratic_seconds_per_1k_tokens_squared: NonNegative = 0.0044057347937978475
+    decode_throughput_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.15
+    # The decode step, seconds = fixed + per_request B + per_context_token C; the simulator
+    # takes all three from its preset unless set here.
+    decode_fixed_step_seconds: Positive = 0.010635218423115973
+    decode_batch_step_seconds_per_request: NonNegative = 0.0004192803698834784
+    decode_context_step_seconds_per_token: NonNegative = 1.420458414996201e-7
+
+    @property
+    def tick_interval_s(self) -> float:
+        return self.scheduler_interval_s
+
+    @model_validator(mode="after")
+    def _watermarks_are_ordered(self) -> VllmRouterConfig:
+        if self.low_watermark_ratio > self.high_watermark_ratio:
+            raise ValueError(f"low_watermark_ratio ({self.low_watermark_ratio}) must be ≤ "
+                             f"high_watermark_ratio ({self.high_watermark_ratio})")
+        return self
+
+
 DEFAULT_POLICY = "program_aware"
 
 
@@ -437,7 +502,7 @@ BaselineConfig = create_model(  # type: ignore[call-overload]
 
 for _section in (PolicyConfig, ProgramAwareConfig, ThunderAgentConfig, MoriConfig, _Router,
                  RouterConfig, LeastLoadedConfig, KvAwareConfig, ContinuumConfig, AutellixConfig,
-                 StickyKvConfig):
+                 StickyKvConfig, VllmRouterConfig):
     _section.model_rebuild()
 
 # Every policy a config can name, with its section: the sections PolicyConfig can carry

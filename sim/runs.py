@@ -18,7 +18,7 @@ from sim.feeds import Batches, ClosedLoop, OpenLoop, ProgramFeed
 from sim.programs import ProgramSpec
 from sim.report import Progress
 from sim.simulation import SimResult, Simulation
-from sim.step_time import PresetSpec, StepTimeModel, model_of, policy_cost_terms
+from sim.step_time import PresetSpec, StepTimeModel, model_of, policy_cost_terms, vllm_router_cost_terms
 
 # The simulator's default block size. vLLM's GPU default is 16; 64 gives the same hit and
 # eviction pattern up to the last partial block of each prompt at a quarter of the cost
@@ -166,20 +166,43 @@ def run_policies(
     return results
 
 
-def preset_policy_costs(model: StepTimeModel, preset_file: Path | str | None) -> dict[str, float] | None:
+def preset_policy_costs(model: StepTimeModel, preset_file: Path | str | None) -> dict[str, float]:
     """The cost terms a run gives its policies from its preset: a preset file's model's (the
-    engine it was fitted to or written for), :func:`~sim.step_time.policy_cost_terms`. None for
-    a named preset: its policies keep their configured costs (autellix's and continuum's
-    defaults are the llama3.1-8b-h100 preset's), so runs on the named presets stay as they were."""
-    return None if preset_file is None else policy_cost_terms(model)
+    engine it was fitted to or written for), :func:`~sim.step_time.policy_cost_terms`. A named
+    preset gives only vllm_router's (:func:`~sim.step_time.vllm_router_cost_terms`: its source
+    tells operators to calibrate them on their deployment, and the preset is the simulator's);
+    the other policies keep their configured costs (autellix's and continuum's defaults
+    are the llama3.1-8b-h100 preset's), so their runs on the named presets stay as they were."""
+    return vllm_router_cost_terms(model) if preset_file is None else policy_cost_terms(model)
 
 
 def policy_costs_taken(config: PolicyConfig, costs: Mapping[str, float]) -> dict[str, float]:
     """The cost terms ``config`` takes from a preset's ``costs``: those its section has and its
-    file left unset (keys set explicitly win), where the preset prices them above 0 (a policy's
-    costs are positive; a term a fit put at 0 leaves the configured one)."""
+    file left unset (keys set explicitly win), where the preset prices them above 0, or at 0
+    for a key that admits 0 (a positive cost a fit put at 0 leaves the configured one)."""
+    section = type(config)
     return {key: value for key, value in costs.items()
-            if key in type(config).model_fields and key not in config.model_fields_set and value > 0}
+            if key in section.model_fields and key not in config.model_fields_set
+            and (value > 0 or (value == 0 and not _positive_only(section, key)))}
+
+
+def recorded_policy_costs(costs: Mapping[str, float], preset_file: Path | str | None,
+                          policy_config: PolicyConfig | None, policies: Sequence[str]
+                          ) -> dict[str, float] | None:
+    """What a result's ``config`` records of the cost terms its preset gave: all of a preset
+    file's; a named preset's only when one of ``policies`` has such terms (vllm_router), so the
+    runs of the other policies on named presets record what they always did."""
+    if preset_file is not None:
+        return dict(costs)
+    base = policy_config or ProgramAwareConfig()
+    takers = [name for name in policies if any(key in type(base.for_policy(name)).model_fields
+                                               for key in costs)]
+    return dict(costs) if takers else None
+
+
+def _positive_only(section: type[PolicyConfig], key: str) -> bool:
+    """Does ``section``'s ``key`` refuse 0 (a ``gt=0`` bound)?"""
+    return any(getattr(bound, "gt", None) is not None for bound in section.model_fields[key].metadata)
 
 
 def host_tier_tokens(model: StepTimeModel, block_size: int | None) -> int:
@@ -232,6 +255,6 @@ def replay_programs(fmt: str, path: Path, time_scale: float, **loader_options: A
 
 
 __all__ = ["CEILING", "DEFAULT_BLOCK_SIZE", "DEFAULT_SCHEDULING_POLICY", "WORKLOADS", "host_tier_taken",
-           "host_tier_tokens", "policy_cost_notes",
-           "policy_costs_taken", "preset_policy_costs", "preset_record", "replay_programs", "run_policies",
-           "scale_times", "trace_span_s", "workload_feed"]
+           "host_tier_tokens", "policy_cost_notes", "policy_costs_taken", "preset_policy_costs",
+           "preset_record", "recorded_policy_costs", "replay_programs", "run_policies", "scale_times",
+           "trace_span_s", "workload_feed"]

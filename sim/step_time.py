@@ -155,11 +155,12 @@ TYPICAL_CONTEXT_TOKENS = 2048
 
 
 def policy_cost_terms(model: StepTimeModel) -> dict[str, float]:
-    """The per-token service costs of ``model`` that policies estimating service from usage
-    take (autellix's and continuum's ``decode_token_s`` and ``prefill_token_s``, continuum's
-    ``reload_token_s``), at a typical batch: a decode step of :data:`TYPICAL_DECODE_SEQS`
-    sequences with :data:`TYPICAL_CONTEXT_TOKENS` tokens of context each (fewer where the
-    model's ``max_num_seqs`` or KV pool holds less).
+    """The cost terms of ``model`` the policies take: :func:`vllm_router_cost_terms`, and the
+    per-token service costs of policies estimating service from usage (autellix's and
+    continuum's ``decode_token_s`` and ``prefill_token_s``, continuum's ``reload_token_s``), at
+    a typical batch: a decode step of :data:`TYPICAL_DECODE_SEQS` sequences with
+    :data:`TYPICAL_CONTEXT_TOKENS` tokens of context each (fewer where the model's
+    ``max_num_seqs`` or KV pool holds less).
 
     - ``decode_token_s``: that whole step, which an output token holds its call in;
     - ``prefill_token_s``: what one more prompt token adds to a step: its matmuls, its KV in the
@@ -174,6 +175,29 @@ def policy_cost_terms(model: StepTimeModel) -> dict[str, float]:
         "prefill_token_s": (model.prefill_token_s + model.context_token_s
                             + model.prefill_attention_s * context_each),
         "reload_token_s": model.kv_bytes_per_token / link if link > 0 else 0.0,
+        **vllm_router_cost_terms(model),
+    }
+
+
+def vllm_router_cost_terms(model: StepTimeModel) -> dict[str, float]:
+    """vllm_router's calibration coefficients (vllm-project/router docs/program_scheduling.md,
+    "Offline calibration models"), read off ``model``'s :meth:`StepTimeModel.step_s`:
+
+    - the cold prefill of ``x`` thousand uncached tokens, in one step of one sequence:
+      ``base_s + seq_s + 1000·(prefill_token_s + context_token_s)·x
+      + 1e6·prefill_attention_s/2·x²`` (a whole prompt makes ``P²/2`` attention pairs);
+    - a decode step of ``B`` sequences over ``C`` context tokens:
+      ``base_s + seq_s·B + context_token_s·C``.
+
+    Its ``decode_throughput_alpha`` is not here: the doc's calibration does not derive it either.
+    """
+    return {
+        "prefill_intercept_seconds": model.base_s + model.seq_s,
+        "prefill_linear_seconds_per_1k_tokens": 1000.0 * (model.prefill_token_s + model.context_token_s),
+        "prefill_quadratic_seconds_per_1k_tokens_squared": 1e6 * model.prefill_attention_s / 2.0,
+        "decode_fixed_step_seconds": model.base_s,
+        "decode_batch_step_seconds_per_request": model.seq_s,
+        "decode_context_step_seconds_per_token": model.context_token_s,
     }
 
 

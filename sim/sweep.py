@@ -22,6 +22,7 @@ from sim.preset_file import read_preset_file
 from sim.report import format_markdown, with_ceiling_ratio
 from sim.runs import (CEILING, DEFAULT_BLOCK_SIZE, DEFAULT_SCHEDULING_POLICY, WORKLOADS,
                       ends_with_its_programs, policy_cost_notes, preset_policy_costs, preset_record,
+                      recorded_policy_costs,
                       run_policies, workload_feed)
 from sim.step_time import DEFAULT_PRESET, StepTimeModel, presets
 
@@ -147,10 +148,11 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
     out.mkdir(parents=True, exist_ok=True)
     policies = list(sweep.policies) + ([CEILING] if sweep.ceiling else [])
     model = sweep.step_time_model
-    # a preset file's engine prices the policies' cost terms (explicit keys in `policy:` win)
+    # the preset prices the policies' cost terms (a named one only vllm_router's; explicit keys
+    # in `policy:` win)
     costs = preset_policy_costs(model, sweep.preset_file)
-    cost_notes = [] if costs is None else policy_cost_notes(policy_config, sweep.policies, costs,
-                                                            "the preset file")
+    source = "the preset file" if sweep.preset_file is not None else f"the {model.name} preset"
+    cost_notes = policy_cost_notes(policy_config, sweep.policies, costs, source)
     for note in cost_notes:
         sys.stderr.write(f"{note}\n")
     seeds = [sweep.seed, *(s for s in sweep.held_back_seeds if s != sweep.seed)]
@@ -169,8 +171,9 @@ def run_sweep(sweep: SweepConfig, policy_config: PolicyConfig, command: str) -> 
             with_ceiling_ratio([row for row in rows if row["seed"] == seed], group="concurrency")]
     main = [row for row in rows if row["seed"] == sweep.seed]
     held = [row for row in rows if row["seed"] != sweep.seed]
+    recorded = recorded_policy_costs(costs, sweep.preset_file, policy_config, sweep.policies)
     config = {**sweep.model_dump(), **preset_record(model, sweep.preset_file),
-              **({} if costs is None else {"policy_costs": costs})}
+              **({} if recorded is None else {"policy_costs": recorded})}
     (out / "results.json").write_text(json.dumps({"results": rows, "config": config}, indent=2) + "\n")
     table = format_markdown(main, extra=("concurrency",))
     if held:

@@ -16,6 +16,7 @@ from scheduler.policies.routing import (
 )
 from scheduler.policies.sticky_kv import StickyKvPolicy
 from scheduler.policies.thunderagent import ThunderAgentPolicy
+from scheduler.policies.vllm_router import VllmRouterPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -30,6 +31,7 @@ POLICIES: dict[str, type[Policy]] = {
         AutellixPolicy,
         StickyKvPolicy,
         MoriPolicy,
+        VllmRouterPolicy,
     )
 }
 

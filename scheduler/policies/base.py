@@ -259,9 +259,14 @@ class Policy(ABC):
         elif program.home_worker != worker:
             program.move_home(worker)
         call.worker = worker  # keeps invariant 1
-        program.begin_call(call.request, call.request.growth_reserve(self.config.growth_reserve_tokens), now)
+        program.begin_call(call.request, self.call_growth_reserve(call.request), now)
         self.ledger.refresh(program)
         self.stats.admitted += 1
+
+    def call_growth_reserve(self, request: CallRequest) -> int:
+        """Tokens a dispatched call may still add, in its program's demand while it runs: the
+        client's expected output, else ``growth_reserve_tokens``."""
+        return request.growth_reserve(self.config.growth_reserve_tokens)
 
     def _finish(self, request_id: str, usage: Usage | None, now: float) -> tuple[Call, Program | None]:
         """Retire a dispatched call; the program is None when it was released meanwhile

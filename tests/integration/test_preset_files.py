@@ -133,7 +133,7 @@ def test_autellix_takes_its_cost_terms_from_the_preset_file_unless_its_config_se
     doc = json.loads(out.read_text())
     assert doc["config"]["policy_costs"] == costs
     # the same as the policy configured with those costs, in process
-    configured = AutellixConfig(**costs)
+    configured = AutellixConfig(decode_token_s=costs["decode_token_s"], prefill_token_s=costs["prefill_token_s"])
     expected = run_policies(["autellix"], lambda: workload_feed("swebench", 8, 7), workers=2, preset=MEASURED,
                             duration_s=60, policy_config=configured, show_progress=False)
     assert doc["results"] == json.loads(json.dumps([r.summary() for r in expected]))

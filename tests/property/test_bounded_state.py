@@ -100,6 +100,13 @@ BOUNDS: dict[str, str] = {
     "_windows": LIVE,
     "_windows.values.cycles": WINDOW,  # idleness_window cycles
     "_host": WORKER,
+    # vllm_router: its request pool, per-program facts, acting-TTL deadlines, and each worker's
+    # windows (stats_window_size samples)
+    "_facts": LIVE,
+    "_ttl_deadlines._heap": LIVE,
+    "_factors": WORKER,
+    "_factors.values._calls": WINDOW,
+    "_factors.values._intervals": WINDOW,
 }
 
 

@@ -85,6 +85,15 @@ configs = st.builds(
     dormant_min_s=st.sampled_from([0.0, 5.0]),
     retention=st.builds(dict, enabled=st.booleans(), ttl_s=st.sampled_from([10.0, 300.0])),
     host_tier_tokens=st.sampled_from([0, 3_000]),  # mori's
+    # vllm_router: short windows and timeouts, so that the learned and the timed rules run
+    stats_window_size=st.sampled_from([100, 3]),
+    max_acting_ttl_seconds=st.sampled_from([10.0, 2.0]),
+    max_active_programs_per_target=st.sampled_from([64, 2]),
+    max_segment_rounds=st.sampled_from([14, 2]),
+    force_resume_timeout_seconds=st.sampled_from([300.0, 20.0]),
+    queue_timeout_seconds=st.sampled_from([600.0, 50.0]),
+    paused_retention_ttl_seconds=st.sampled_from([1800.0, 40.0]),
+    global_queue=st.booleans(),
 ).flatmap(lambda base: st.sampled_from([
     {},  # the published defaults: 0.95 / 0.80 / hysteresis 0.10
     {"pause_threshold": 0.9, "pause_target": 0.5, "resume_hysteresis": 0.0,
@@ -98,7 +107,7 @@ capacities = st.tuples(st.sampled_from([4_000, 2_500, 8_000]),
 
 # The policies that hold and pause; of them, those whose threshold is the pool itself
 # (ThunderAgent's, which mori is built on).
-PAUSING = ("program_aware", "thunderagent", "mori")
+PAUSING = ("program_aware", "thunderagent", "mori", "vllm_router")
 AT_CAPACITY = ("thunderagent", "mori")
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -438,6 +447,9 @@ class Run:
 
     def check_after_tick(self) -> None:
         policy, now = self.policy, self.now
+        if self.name == "vllm_router":
+            self.check_vllm_router_after_tick()
+            return
         if self.name not in PAUSING:
             if any(load.healthy for load in policy.ledger.workers()):
                 assert not self.held, "a router kept calls held past a tick with a healthy worker"
@@ -461,6 +473,24 @@ class Run:
             if not program.in_flight and not program.waiting:
                 # the policy's own arithmetic: a deadline is ``last_activity + idle``
                 assert now < program.last_activity + idle, f"{sid} idle past idle_release_s"
+
+
+    def check_vllm_router_after_tick(self) -> None:
+        """A forced resume bypasses every admission check, so no call waits past the
+        force-resume cap while a worker is healthy; no call waits past the queue timeout; no
+        idle paused program outlives its retention."""
+        policy, now, cfg = self.policy, self.now, self.cfg
+        limit = cfg.queue_timeout_seconds
+        if any(load.healthy for load in policy.ledger.workers()):
+            limit = min(limit, cfg.force_resume_timeout_seconds)
+        for rid, (sid, arrival) in self.held.items():
+            assert now - arrival < limit, f"{rid} of {sid} held {now - arrival:.1f} s"
+        for sid, program in policy.programs.items():
+            if program.paused and not program.waiting:
+                assert now - self.paused_at[sid] < cfg.paused_retention_ttl_seconds, f"{sid} kept paused"
+            if program.active and not program.in_flight:
+                # acting within its TTL: never longer than the cap (no client TTL here)
+                assert policy._facts[sid].ttl_deadline <= now + cfg.max_acting_ttl_seconds, sid
 
 
 def play(name: str, config: dict, caps: tuple, operations: list, checks: bool = True) -> Run:
@@ -494,6 +524,14 @@ def test_thunderagent_invariants_and_determinism(operations, config, caps) -> No
 def test_mori_invariants_and_determinism(operations, config, caps) -> None:
     run = play("mori", config, caps, operations)
     again = play("mori", config, caps, operations, checks=False)
+    assert again.log == run.log
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(operations=op_lists, config=configs, caps=capacities)
+def test_vllm_router_invariants_and_determinism(operations, config, caps) -> None:
+    run = play("vllm_router", config, caps, operations)
+    again = play("vllm_router", config, caps, operations, checks=False)
     assert again.log == run.log
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal, get_origin
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,8 @@ from scheduler.config import (
     KvAwareConfig,
 
     LeastLoadedConfig,
-
     MoriConfig,
-
     PolicyConfig,
-
     PolicyName,
 
     ProgramAwareConfig,
@@ -40,7 +38,7 @@ from scheduler.config import (
     StickyKvConfig,
 
     ThunderAgentConfig,
-
+    VllmRouterConfig,
     load_yaml_text,
 
     section_class,
@@ -103,6 +101,11 @@ def test_the_architecture_docs_defaults_table_matches_the_config():
             assert float(getattr(defaults, key)) == float(value), key
 
 
+def _is_text(annotation) -> bool:
+    """Whether a key takes words (a name, a choice), which the docs table does not check."""
+    return annotation is str or get_origin(annotation) is Literal
+
+
 def _own_keys(section) -> set[str]:
     """The keys a router section adds to what every router takes."""
     return set(section.model_fields) - set(RouterConfig.model_fields)
@@ -113,7 +116,7 @@ def test_the_architecture_docs_baseline_table_matches_the_config():
     every key the deprecated bag carried, and every key of continuum and sticky_kv."""
     path = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
     section = path.read_text(encoding="utf-8").split("## 4.", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z_, ]+?)\s*\|\s*((?:[-0-9.e, ]|true|false)+?)\s*\|",
+    rows = re.findall(r"^\|\s*([a-z_]+)\s*\|\s*([a-z0-9_, ]+?)\s*\|\s*((?:[-0-9.e, ]|true|false)+?)\s*\|",
                       section, flags=re.M)
     documented = set()
     for policy, keys, values in rows:
@@ -122,13 +125,15 @@ def test_the_architecture_docs_baseline_table_matches_the_config():
             number = {"true": 1.0, "false": 0.0}.get(value) if value.isalpha() else float(value)
             assert float(getattr(defaults, key)) == number, f"{policy}.{key}"
             documented.add((policy, key))
-    # every key the deprecated bag had, every key of a baseline added since (none of whose
-    # keys was ever in the bag) but the tick every router shares, and continuum's own
+    # every key the deprecated bag had, every key but a text one of a baseline added since
+    # (none of whose keys was ever in the bag) but the tick every router shares, and
+    # continuum's own
     moved = set(BASELINE_KEYS_MOVED.values())
     since = {(name, key) for name in POLICY_NAMES if name != "program_aware"
              and not any(policy == name for policy, _ in moved)
-             for key in section_class(name).model_fields
-             if key not in PolicyConfig.model_fields and key != "tick_interval_s"}
+             for key, field in section_class(name).model_fields.items()
+             if key not in PolicyConfig.model_fields and key != "tick_interval_s"
+             and not _is_text(field.annotation)}
     continuum = {("continuum", key) for key in _own_keys(ContinuumConfig)}
     assert documented == moved | since | continuum
 
@@ -299,7 +304,7 @@ def test_policy_names_are_exactly_the_registered_policies():
 
     assert set(POLICY_NAMES) == set(POLICIES)
     assert {"program_aware", "round_robin", "least_loaded", "kv_aware", "sticky_least_loaded",
-            "thunderagent", "continuum", "autellix", "sticky_kv", "mori"} == set(POLICY_NAMES)
+            "thunderagent", "continuum", "autellix", "sticky_kv", "mori", "vllm_router"} == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -343,7 +348,8 @@ def test_each_policy_gets_its_own_section_type():
                         "kv_aware": KvAwareConfig, "sticky_least_loaded": RouterConfig,
                         "continuum": ContinuumConfig, "autellix": AutellixConfig,
                         "sticky_kv": StickyKvConfig,
-                        "mori": MoriConfig}
+                        "mori": MoriConfig,
+                        "vllm_router": VllmRouterConfig}
     assert not hasattr(parse_policy_config({"name": "least_loaded"}), "pause_threshold")
     assert PolicyName.__args__ == POLICY_NAMES  # derived, not a second list
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 import sim.runs
-from scheduler.config import AutellixConfig, ContinuumConfig, ProgramAwareConfig
+from scheduler.config import AutellixConfig, ContinuumConfig, ProgramAwareConfig, VllmRouterConfig
 from scheduler.config_reading import parse_policy_yaml
-from sim.runs import policy_cost_notes, policy_costs_taken, preset_policy_costs, run_policies, workload_feed
-from sim.step_time import StepTimeModel, policy_cost_terms, preset
+from sim.runs import (policy_cost_notes, policy_costs_taken, preset_policy_costs, recorded_policy_costs,
+                      run_policies, workload_feed)
+from sim.step_time import StepTimeModel, policy_cost_terms, preset, vllm_router_cost_terms
 
 MODEL = StepTimeModel(
     name="hand", description="hand-made terms", base_s=0.010, prefill_token_s=1e-4, seq_s=1e-3,
@@ -23,8 +24,24 @@ def test_the_cost_terms_are_a_typical_decode_step_and_a_prompt_tokens_share_of_a
     # a prompt token: its matmuls, its KV in the context, its attention over 2,048 tokens
     assert costs["prefill_token_s"] == pytest.approx(1e-4 + 1e-7 + 2e-8 * 2048, rel=1e-12)
     # no host link: no reload price
-    assert set(costs) == {"decode_token_s", "prefill_token_s", "reload_token_s"}
+    assert set(costs) == {"decode_token_s", "prefill_token_s", "reload_token_s", *vllm_router_cost_terms(MODEL)}
     assert costs["reload_token_s"] == 0.0
+
+
+def test_vllm_routers_terms_are_a_whole_prompts_step_and_a_decode_step_of_the_model():
+    costs = vllm_router_cost_terms(MODEL)
+    # a cold prefill of x thousand tokens is one step of one sequence: step_s(P, 1, P, P²/2)
+    for tokens in (1_000, 8_000, 50_000):
+        x = tokens / 1000
+        predicted = (costs["prefill_intercept_seconds"] + costs["prefill_linear_seconds_per_1k_tokens"] * x
+                     + costs["prefill_quadratic_seconds_per_1k_tokens_squared"] * x * x)
+        assert predicted == pytest.approx(MODEL.step_s(tokens, 1, tokens, prefill_pairs=tokens * tokens / 2),
+                                          rel=1e-12)
+    # a decode step of B sequences over C tokens of context
+    for seqs, context in ((1, 100), (64, 131_072)):
+        predicted = (costs["decode_fixed_step_seconds"] + costs["decode_batch_step_seconds_per_request"] * seqs
+                     + costs["decode_context_step_seconds_per_token"] * context)
+        assert predicted == pytest.approx(MODEL.step_s(0, seqs, context), rel=1e-12)
 
 
 def test_the_typical_batch_shrinks_to_what_the_engine_holds():
@@ -43,9 +60,24 @@ def test_the_h100_preset_gives_about_what_autellix_defaults_to():
     assert costs["prefill_token_s"] == pytest.approx(defaults.prefill_token_s, rel=0.01)
 
 
-def test_only_a_preset_file_gives_cost_terms():
-    assert preset_policy_costs(MODEL, None) is None
+def test_a_named_preset_gives_only_vllm_routers_cost_terms():
+    # autellix's runs on the named presets stay as they were
+    assert preset_policy_costs(MODEL, None) == vllm_router_cost_terms(MODEL)
     assert preset_policy_costs(MODEL, "measured.yaml") == policy_cost_terms(MODEL)
+
+
+def test_a_named_presets_costs_are_recorded_only_for_a_run_of_a_policy_that_takes_them():
+    costs = vllm_router_cost_terms(MODEL)
+    assert recorded_policy_costs(costs, None, None, ["autellix", "least_loaded"]) is None
+    assert recorded_policy_costs(costs, None, None, ["least_loaded", "vllm_router"]) == costs
+    assert recorded_policy_costs(costs, "measured.yaml", None, ["least_loaded"]) == costs
+
+
+def test_a_zero_term_is_taken_by_a_key_that_admits_zero():
+    # the named presets carry no prefill attention: vllm_router's quadratic term is 0
+    taken = policy_costs_taken(VllmRouterConfig(), {"prefill_quadratic_seconds_per_1k_tokens_squared": 0.0,
+                                                    "decode_fixed_step_seconds": 0.0})
+    assert taken == {"prefill_quadratic_seconds_per_1k_tokens_squared": 0.0}
 
 
 def test_keys_the_config_sets_win_and_policies_without_the_keys_take_nothing():
