@@ -553,7 +553,8 @@ def test_router_books_and_determinism(name, operations, config, caps) -> None:
 def test_hooks_observe_pause_and_resume_passes() -> None:
     script = [("burst", 1_200, False), ("drain", 900), ("tick", 1.0)]
     script += [("release", s) for s in range(4)] + [("tick", 1.0), ("tick", 70.0)]
-    for name in PAUSING:
+    # vllm_router's ticks are checked by its own rules (check_vllm_router_after_tick)
+    for name in (name for name in PAUSING if name != "vllm_router"):
         run = play(name, {"force_resume_after_s": 60.0}, (4_000, 4_000, None), script)
         kinds = Counter(type(a).__name__ for entry in run.log if len(entry) == 3
                         and isinstance(entry[2], list) for a in entry[2])
