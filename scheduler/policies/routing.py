@@ -48,6 +48,29 @@ class RouterPolicy(Policy):
         return actions
 
 
+class CountsCallsInFlight(Policy):
+    """Keeps each worker's calls in flight as a running count (``_in_flight``), for a router
+    that balances on it at every call: the base's :meth:`~Policy.calls_in_flight` scans every
+    call."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._in_flight: dict[str, int] = {}
+
+    def _dispatch(self, program, call, worker, now):  # type: ignore[override]
+        super()._dispatch(program, call, worker, now)
+        self._in_flight[worker] = self._in_flight.get(worker, 0) + 1
+
+    def _finish(self, request_id, usage, now):  # type: ignore[override]
+        call, program = super()._finish(request_id, usage, now)
+        self._in_flight[call.worker] -= 1
+        return call, program
+
+    def forget_worker(self, name: str) -> None:
+        super().forget_worker(name)
+        self._in_flight.pop(name, None)
+
+
 class RoundRobinPolicy(RouterPolicy):
     """A plain load balancer: each call goes to the next healthy worker in turn.
 
@@ -67,7 +90,7 @@ class RoundRobinPolicy(RouterPolicy):
         return worker
 
 
-class LeastLoadedPolicy(RouterPolicy):
+class LeastLoadedPolicy(CountsCallsInFlight, RouterPolicy):
     """VERL's global load balancer for multi-turn rollouts.
 
     A session seen before goes back to its worker (sticky through an LRU of
@@ -83,7 +106,6 @@ class LeastLoadedPolicy(RouterPolicy):
     def __init__(self, config: LeastLoadedConfig) -> None:
         super().__init__(config)
         self._sticky: OrderedDict[str, str] = OrderedDict()
-        self._in_flight: dict[str, int] = {}
 
     def choose(self, program: Program, call: Call, workers: list[str]) -> str:
         session = program.session_id
@@ -97,18 +119,6 @@ class LeastLoadedPolicy(RouterPolicy):
         if len(self._sticky) > self.config.sticky_lru_size:
             self._sticky.popitem(last=False)
         return worker
-
-    def _dispatch(self, program, call, worker, now):  # type: ignore[override]
-        super()._dispatch(program, call, worker, now)
-        self._in_flight[worker] = self._in_flight.get(worker, 0) + 1
-
-    def _finish(self, request_id, usage, now):  # type: ignore[override]
-        call, program = super()._finish(request_id, usage, now)
-        self._in_flight[call.worker] -= 1
-        return call, program
-
-    def forget_worker(self, name: str) -> None:
-        self._in_flight.pop(name, None)
 
 
 class StickyLeastLoadedPolicy(RouterPolicy):

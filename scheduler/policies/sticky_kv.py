@@ -42,11 +42,11 @@ from scheduler.actions import Action
 from scheduler.config import StickyKvConfig
 from scheduler.policies.base import Call
 from scheduler.policies.parking import IdleDeadlines
-from scheduler.policies.routing import KvAwarePolicy
+from scheduler.policies.routing import CountsCallsInFlight, KvAwarePolicy
 from scheduler.programs import Program
 
 
-class StickyKvPolicy(KvAwarePolicy):
+class StickyKvPolicy(CountsCallsInFlight, KvAwarePolicy):
     """The binding is the program's home worker: it lives as long as the program (the base's
     program table), so it is released with the program."""
 
@@ -54,8 +54,7 @@ class StickyKvPolicy(KvAwarePolicy):
     config: StickyKvConfig  # type: ignore[assignment]
 
     def __init__(self, config: StickyKvConfig) -> None:
-        super().__init__(config)  # type: ignore[arg-type]
-        self._in_flight: dict[str, int] = {}  # worker -> calls in flight (the valve's load)
+        super().__init__(config)  # type: ignore[arg-type]  # _in_flight: the valve's load
         self._idle = IdleDeadlines(config.idle_release_s, self.programs)
         self.valve_moves = 0
 
@@ -98,16 +97,3 @@ class StickyKvPolicy(KvAwarePolicy):
         actions = super().release(session_id, now, reason)
         self._idle.trim()
         return actions
-
-    def _dispatch(self, program, call, worker, now):  # type: ignore[override]
-        super()._dispatch(program, call, worker, now)
-        self._in_flight[worker] = self._in_flight.get(worker, 0) + 1
-
-    def _finish(self, request_id, usage, now):  # type: ignore[override]
-        call, program = super()._finish(request_id, usage, now)
-        self._in_flight[call.worker] -= 1
-        return call, program
-
-    def forget_worker(self, name: str) -> None:
-        super().forget_worker(name)
-        self._in_flight.pop(name, None)
