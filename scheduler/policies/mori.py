@@ -82,7 +82,7 @@ from scheduler.actions import Action, Decision, Demote, Mark, Offload, Pause, Pr
 from scheduler.config import MoriConfig
 from scheduler.coordinates import SessionId
 from scheduler.policies.base import Call
-from scheduler.policies.parking import demand_when_resumed, force_target
+from scheduler.policies.parking import demand_when_resumed
 from scheduler.policies.thunderagent import BUFFER_PER_PROGRAM, ThunderAgentPolicy
 from scheduler.programs import Phase, Program
 
@@ -252,12 +252,7 @@ class MoriPolicy(ThunderAgentPolicy):
         actions: list[Action] = []
         lot = self._lot
         for session in lot.sessions():  # ThunderAgent's forced resume
-            program = self.programs[session]
-            since = lot.since(session)
-            if since is not None and now - since >= self.config.force_resume_after_s:
-                worker = force_target(program, self.ledger)
-                if worker is not None:
-                    actions += self._resume_program(program, worker, now, forced=True)
+            actions += self._force_resume_if_due(session, now) or []
         candidates = []
         for session in lot.sessions():
             program = self.programs[session]

@@ -173,6 +173,17 @@ class ThunderAgentPolicy(Policy):
 
     # -- resume ----------------------------------------------------------------------
 
+    def _force_resume_if_due(self, session: str, now: float) -> list[Action] | None:
+        """The forced resume: a program parked ``force_resume_after_s`` goes back to its
+        worker (else the emptiest), room or not; no worker takes it: nothing yet. None when it
+        is not due."""
+        since = self._lot.since(session)
+        if since is None or now - since < self.config.force_resume_after_s:
+            return None
+        program = self.programs[session]
+        worker = force_target(program, self.ledger)
+        return [] if worker is None else self._resume_program(program, worker, now, forced=True)
+
     def _resume(self, now: float) -> list[Action]:
         lot = self._lot
         if not len(lot):
@@ -180,13 +191,11 @@ class ThunderAgentPolicy(Policy):
         actions: list[Action] = []
         candidates = []
         for session in lot.sessions():
-            program = self.programs[session]
-            since = lot.since(session)
-            if since is not None and now - since >= self.config.force_resume_after_s:
-                worker = force_target(program, self.ledger)
-                if worker is not None:
-                    actions += self._resume_program(program, worker, now, forced=True)
+            forced = self._force_resume_if_due(session, now)
+            if forced is not None:
+                actions += forced
                 continue
+            program = self.programs[session]
             if program.pending and not program.waiting:
                 continue
             group = 0 if (program.paused and program.waiting) else (1 if program.pending else 2)
