@@ -148,6 +148,11 @@ class ProgramAwareConfig(PolicyConfig):
     resume_hysteresis: Annotated[float, Field(ge=0.0, le=1.0)] = 0.03
     buffer_per_program: Annotated[int, Field(ge=0)] = 100
     resume_priority_boost_s: NonNegative = 1.0
+    # A held call counts in the engine's queue as arrived at most this long before it is let
+    # go (then the boost): with its whole hold it went ahead of minutes of queue under compute
+    # overload and the engines preempted running calls for it (design notes "The engine
+    # priority"). None: its whole hold.
+    held_call_lead_s: NonNegative | None = 0.0
     force_resume_after_s: Positive = 1800.0
     acting_token_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     tick_interval_s: Positive = 1.0
@@ -162,8 +167,8 @@ class ProgramAwareConfig(PolicyConfig):
     # proportion, at most ``max_wait_stretch`` times: a program must wait longer when more
     # want the room, and waits bounded below that only swap programs in and out by force
     # (design notes "Waiting under deep overload"). None: max_wait_s as it is.
-    wait_stretch_from: Positive | None = 2.0
-    max_wait_stretch: Annotated[float, Field(ge=1.0)] = 1.75
+    wait_stretch_from: Positive | None = 1.5
+    max_wait_stretch: Annotated[float, Field(ge=1.0)] = 2.25
     # Dormancy: an ACTING program still in its tool call after the ``dormant_quantile`` of
     # recent tool-call durations (and at least ``dormant_min_s``) is likely in a long one:
     # its KV counts in U at ``dormant_token_weight`` until its next call. None: off.

@@ -284,15 +284,17 @@ class Policy(ABC):
         return call, program
 
     def _admit_waiting(self, program: Program, worker: str, now: float, resumed: bool,
-                       boost: float = 0.0) -> list[Action]:
+                       boost: float = 0.0, lead_s: float | None = None) -> list[Action]:
         """Dispatch every held call of an ACTIVE program to ``worker``, ``boost`` seconds
-        ahead of their arrival in the engine's queue."""
+        ahead of their arrival in the engine's queue, an arrival counted at most ``lead_s``
+        before ``now`` (None: as it was)."""
         actions: list[Action] = []
         for request_id in program.take_waiting():
             call = self.calls[request_id]
             self._dispatch(program, call, worker, now)
-            actions.append(Admit(request_id, program.session_id, worker,
-                                 call.arrived_at - boost, resumed=resumed))
+            arrived = call.arrived_at if lead_s is None else max(call.arrived_at, now - lead_s)
+            actions.append(Admit(request_id, program.session_id, worker, arrived - boost,
+                                 resumed=resumed))
         return actions
 
     def resident_prefix(self, worker: str, call: Call) -> int:

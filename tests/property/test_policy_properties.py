@@ -81,6 +81,7 @@ configs = st.builds(
     resume_aging_halflife_s=st.sampled_from([5.0, 60.0]),
     max_wait_s=st.sampled_from([None, 15.0, 90.0]),
     wait_stretch_from=st.sampled_from([None, 0.5, 2.0]),
+    held_call_lead_s=st.sampled_from([None, 0.0, 10.0]),
     dormant_quantile=st.sampled_from([None, 0.5, 0.9]),
     dormant_min_s=st.sampled_from([0.0, 5.0]),
     retention=st.builds(dict, enabled=st.booleans(), ttl_s=st.sampled_from([10.0, 300.0])),
@@ -364,9 +365,10 @@ class Run:
         if self.checks:
             self.check_admits([a for a, _ in admits])
             if self.name == "program_aware":
-                boost = self.cfg.resume_priority_boost_s
+                boost, lead = self.cfg.resume_priority_boost_s, self.cfg.held_call_lead_s
                 for admit, arrival in admits:
-                    expected = arrival - (boost if admit.resumed else 0.0)
+                    counted = arrival if lead is None else max(arrival, self.now - lead)
+                    expected = counted - (boost if admit.resumed else 0.0)
                     assert admit.priority == pytest.approx(expected)
             quiet = self.name == "thunderagent" or (
                 self.name == "program_aware" and not self.cfg.retention.enabled)

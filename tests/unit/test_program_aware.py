@@ -311,13 +311,16 @@ def test_forced_resume_after_force_resume_after_s_even_without_room() -> None:
     assert d.p.stats.forced_resumes == 1
 
 
-def test_resumed_calls_jump_the_queue_by_the_boost() -> None:
-    d = Driver(make(resume_priority_boost_s=3.0))
+@pytest.mark.parametrize(("lead", "priority"), [(0.0, 27.0), (5.0, 22.0), (None, 17.0)])
+def test_resumed_calls_jump_the_queue_by_the_boost_and_at_most_the_lead(lead, priority) -> None:
+    # held from 20 s to 30 s: it counts as arrived no earlier than 30 − lead (None: at 20),
+    # then 3 s ahead of that
+    d = Driver(make(resume_priority_boost_s=3.0, held_call_lead_s=lead))
     _full_w0_with_paused(d, "p", 160)
     assert isinstance(d.arrive("p", 100, now=20.0), Hold)
     d.p.add_worker("w1", CAP)
     actions = d.p.tick(30.0)
-    assert of(actions, Admit) == [Admit("p#2", "p", "w1", 17.0, resumed=True)]
+    assert of(actions, Admit) == [Admit("p#2", "p", "w1", priority, resumed=True)]
 
 
 def test_new_program_held_while_others_wait_then_admitted_by_a_tick() -> None:
@@ -331,7 +334,8 @@ def test_new_program_held_while_others_wait_then_admitted_by_a_tick() -> None:
     actions = d.p.tick(5.0)
     admitted = {a.session_id: a for a in of(actions, Admit)}
     assert set(admitted) == {"p", "n"}
-    assert admitted["n"].priority == 4.0 and not admitted["n"].resumed
+    # held from 4 s, let go at 5 s: it counts as arriving when let go (held_call_lead_s 0)
+    assert admitted["n"].priority == 5.0 and not admitted["n"].resumed
     assert lifecycle(d.p, "n") is Lifecycle.ACTIVE
 
 

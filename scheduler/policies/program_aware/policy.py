@@ -235,7 +235,7 @@ class ProgramAwarePolicy(Policy):
         self._keep.placed(program.session_id)
         actions = self._resume.resume(program, worker, self.stats, now, forced)  # keeps invariant 1
         boost = self.config.resume_priority_boost_s if was_paused else 0.0
-        actions += self._admit_waiting(program, worker, now, was_paused, boost)
+        actions += self._admit_waiting(program, worker, now, was_paused, boost, self.config.held_call_lead_s)
         if not program.in_flight:
             self._resume.note_idle(program, now)
         if was_paused:
