@@ -118,12 +118,15 @@ def test_a_call_admitted_on_arrival_carries_priority_0_to_a_priority_worker_only
 SMALL = 1000
 
 
-def test_a_held_call_carries_minus_the_time_it_was_held():
+# held_call_lead_s: the default (0) counts a held call as arriving when it is let go; null
+# gives it its whole hold as lead
+@pytest.mark.parametrize(("policy", "held_priority"), [({}, 0), ({"held_call_lead_s": None}, -3_500)])
+def test_a_held_call_carries_minus_the_time_it_was_held_up_to_its_lead(policy, held_priority):
     clock = SetClock()
     with fakes("w0") as [(fake, server)]:
         worker = {"name": "w0", "url": server.url, "capacity_tokens": SMALL,
                   "scheduling_policy": "priority"}
-        with clocked_gateway([worker], clock) as gw, ThreadPoolExecutor(1) as pool:
+        with clocked_gateway([worker], clock, policy=policy) as gw, ThreadPoolExecutor(1) as pool:
             with in_flight(gw.url, "a"):
                 held = pool.submit(post, gw.url, "c")
                 wait_for(lambda: gw.programs().get("c", {}).get("waiting") == 1, what="c held")
@@ -131,7 +134,7 @@ def test_a_held_call_carries_minus_the_time_it_was_held():
             # a's call ended (its client left) 3.5 s later: room for c
             held.result()
     assert bodies(fake, "a")[0]["priority"] == 0
-    assert bodies(fake, "c")[0]["priority"] == -3_500
+    assert bodies(fake, "c")[0]["priority"] == held_priority
 
 
 def test_a_call_admitted_in_the_soft_band_carries_the_delay():
@@ -147,11 +150,13 @@ def test_a_call_admitted_in_the_soft_band_carries_the_delay():
     assert [body["priority"] for body in bodies(fake, "a")] == [0, 2_000]
 
 
-def test_a_resumed_programs_call_carries_its_hold_and_the_resume_boost():
+@pytest.mark.parametrize(("lead", "resumed_priority"), [(0.0, -1_000), (None, -5_000)])
+def test_a_resumed_programs_call_carries_its_hold_up_to_its_lead_and_the_resume_boost(
+        lead, resumed_priority):
     clock = SetClock()
     policy = {"buffer_per_program": 0, "growth_reserve_tokens": 0, "pause_threshold": 1.0,
               "pause_target": 0.9, "max_wait_s": None, "dormant_quantile": None,
-              "resume_priority_boost_s": 1.0}
+              "resume_priority_boost_s": 1.0, "held_call_lead_s": lead}
     with fakes("w0") as [(fake, server)]:
         worker = {"name": "w0", "url": server.url, "capacity_tokens": SMALL,
                   "scheduling_policy": "priority"}
@@ -168,8 +173,8 @@ def test_a_resumed_programs_call_carries_its_hold_and_the_resume_boost():
             # q's last call ends it: room for p, resumed with its call 1 s ahead
             post(gw.url, "q", **{"x-test-prompt-tokens": "800", "x-dynamo-session-final": "true"})
             resumed.result()
-    # held from 1010 to 1014, and 1 s of boost
-    assert [body["priority"] for body in bodies(fake, "p")] == [0, -5_000]
+    # held from 1010 to 1014 (counted only with lead None), and 1 s of boost
+    assert [body["priority"] for body in bodies(fake, "p")] == [0, resumed_priority]
     assert [body["priority"] for body in bodies(fake, "q")] == [0, 0]
 
 
