@@ -39,6 +39,11 @@ class RetentionConfig(Strict):
     host_tier: bool = False
     # Among prefetched sessions the tier gives up the lowest priority first.
     prefetch_priority: Annotated[int, Field(ge=0, le=100)] = 50
+    # A paused program's call is held: its KV in the tier is favoured at this priority (a
+    # Prefetch, below a resumed one's), so a full tier gives up the KV of programs with nothing
+    # to run before that of programs waiting to resume (eviction by predicted next use).
+    # None: only resumed programs are favoured.
+    held_priority: Annotated[int, Field(ge=0, le=100)] | None = 40
     # How long a Prefetch's favour lasts (None: until the session's call loads its blocks).
     prefetch_deadline_s: Positive | None = None
     # Offload a program when it turns dormant too (its KV then goes first on the GPU and its
@@ -53,10 +58,13 @@ class RetentionConfig(Strict):
 # With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
 # in host memory instead of being lost, so the policy may count less of what waits: programs
 # turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
-# offloaded then (and ``host_tier_overcommit`` applies). These are the defaults of the
-# keys a file leaves out when it turns the tier on (docs/architecture.md §3; measured in
-# experiments/results/host_tier/README.md).
-HOST_TIER_DEFAULTS: dict[str, Any] = {"dormant_quantile": 0.25, "dormant_min_s": 30.0}
+# offloaded then (and ``host_tier_overcommit`` applies); and a forced resume reloads what the
+# tier kept rather than recomputing it, so held calls need not wait as much longer under deep
+# overload (``max_wait_stretch`` 1.5). These are the defaults of the keys a file leaves out
+# when it turns the tier on (docs/architecture.md §3; measured in
+# experiments/results/host_tier/README.md and overload/README.md).
+HOST_TIER_DEFAULTS: dict[str, Any] = {"dormant_quantile": 0.25, "dormant_min_s": 30.0,
+                                      "max_wait_stretch": 1.5}
 HOST_TIER_RETENTION_DEFAULTS: dict[str, Any] = {"offload_dormant": True}
 
 

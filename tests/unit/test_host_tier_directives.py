@@ -117,6 +117,39 @@ def test_without_the_tier_a_paused_program_resumes_where_there_is_room() -> None
     assert [admit.worker for admit in of(actions, Admit) if admit.session_id == "a"] == ["w1"]
 
 
+def _waiting_on_its_home(d: Driver, tier_holds: bool = True) -> list:
+    """``a`` paused on w0 (the tier holding its KV, or not), then a call of it held there for
+    want of room; returns the next tick's actions."""
+    if tier_holds:
+        _host_holds(d, "a")
+    _paused_pair(d)
+    assert not isinstance(d.arrive("a", 300, 2.0), Admit)
+    return d.p.tick(3.0)
+
+
+def test_a_paused_program_whose_call_is_held_is_favoured_in_the_tier_below_a_resumed_one() -> None:
+    d = Driver(make(**_tier(held_priority=30)))
+    actions = _waiting_on_its_home(d)
+    assert "a" not in sessions(actions, Resume)
+    assert of(actions, Prefetch) == [Prefetch("a", "w0", 30, None, None)]
+    assert of(d.p.tick(4.0), Prefetch) == []  # once per held call, not at every tick
+    assert not isinstance(d.arrive("a", 300, 5.0), Admit)  # another call held: favoured again
+    assert of(d.p.tick(6.0), Prefetch) == [Prefetch("a", "w0", 30, None, None)]
+
+
+def test_a_held_call_is_not_favoured_without_held_priority_or_kv_in_the_tier() -> None:
+    assert of(_waiting_on_its_home(Driver(make(**_tier(held_priority=None)))), Prefetch) == []
+    assert of(_waiting_on_its_home(Driver(make(**_tier())), tier_holds=False), Prefetch) == []
+
+
+def test_a_held_call_of_a_program_resumed_at_once_gets_the_resumes_prefetch_only() -> None:
+    d = Driver(make(**_tier(prefetch_priority=70)))
+    _paused_pair(d)
+    _host_holds(d, "a")
+    assert not isinstance(d.arrive("a", 100, 2.0), Admit)
+    assert of(d.p.tick(3.0), Prefetch) == [Prefetch("a", "w0", 70, None, None)]
+
+
 def test_offload_and_prefetch_map_to_the_envelopes_actions() -> None:
     offload = kv_action(Offload("s", "w0", "c1"), "m.0")
     assert isinstance(offload, KvOffload)

@@ -50,7 +50,8 @@ calls → resume (forced, reserved, in order) → pause → soft band → retent
   before its TTL runs out while it stays active, dormant or not); a paused one ``Demote``; a
   released one ``Release``. With a host tier a paused program gets ``Offload`` instead (its
   KV waits in host memory, most recent, rather than being lost), a resumed one whose KV the
-  tier holds gets ``Prefetch`` (kept there until its call loads it back), and with
+  tier holds gets ``Prefetch`` (kept there until its call loads it back), so does a paused
+  one whose call is held (at ``held_priority``, below a resumed one's), and with
   ``offload_dormant`` a program turning dormant is offloaded too (no Retain refresh until
   its next call) and, with ``prefetch_predicted``, prefetched when its tool call is predicted
   to end (the median of recent tool calls longer than it has lasted so far).

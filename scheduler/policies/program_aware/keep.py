@@ -6,8 +6,10 @@ stays ACTIVE, dormant or not); a paused one ``Demote``, or with a host tier ``Of
 KV waits in host memory rather than being lost); a resumed one whose KV the tier holds
 ``Prefetch``. With ``offload_dormant`` a program turning dormant is offloaded too (no
 ``Retain`` refresh until its next call) and, with ``prefetch_predicted``, prefetched when its
-tool call is predicted to end. Which of these apply is read from the config once, when it is
-set.
+tool call is predicted to end. With a tier and ``held_priority``, a paused program whose call
+is held is prefetched too (at that priority, below a resumed one's): a full tier then gives up
+first the KV of programs with nothing to run, whose next use is furthest off. Which of these
+apply is read from the config once, when it is set.
 
 Invariant 1: a session is in ``_retained_until`` exactly while its latest ``Retain`` is the
 directive in force (it leaves on pause, on offload and on release), and then one refresh
@@ -38,6 +40,8 @@ class Keep:
         self._refresh: DeadlineHeap[tuple[float, str]] = DeadlineHeap(self._refresh_wanted, lambda: len(programs))
         # sessions to send a Retain at the next tick, in the order they asked
         self._due: dict[str, None] = {}
+        # paused sessions whose call was held since the last tick (to favour in the tier)
+        self._held: dict[str, None] = {}
         self.reconfigure(retention)
 
     def reconfigure(self, retention: RetentionConfig) -> None:
@@ -48,6 +52,7 @@ class Keep:
         self._demotes_paused = enabled and not tiered
         self._offloads_dormant = tiered and retention.offload_dormant
         self.prefetches_predicted = self._offloads_dormant and retention.prefetch_predicted
+        self._favours_held = tiered and retention.held_priority is not None
 
     # -- what each move asks the engine to keep ----------------------------------------
 
@@ -77,6 +82,12 @@ class Keep:
             return [self._prefetch(program, worker)]
         return []
 
+    def held(self, program: Program) -> None:
+        """A call of ``program`` was held: if it is paused, favour its KV in the tier at the
+        next tick (its next use is near: it resumes once there is room, or at its wait limit)."""
+        if self._favours_held and program.paused:
+            self._held[program.session_id] = None
+
     def turned_dormant(self, program: Program) -> Offload | None:
         """``program`` turned dormant: with ``offload_dormant``, host memory holds its KV
         until its next call."""
@@ -98,13 +109,15 @@ class Keep:
     # -- the tick ----------------------------------------------------------------------
 
     def retain(self, now: float) -> list[Action]:
-        """The ``Retain`` directives due: for programs placed or resumed since the last
-        tick, and refreshes of those whose TTL is running out."""
+        """The directives due at a tick: ``Retain`` for programs placed or resumed since the
+        last tick and refreshes of those whose TTL is running out; ``Prefetch`` for paused
+        programs whose call was held since then, where the tier holds their KV."""
         retention = self.retention
         if not retention.enabled:
             self._due.clear()
+            self._held.clear()
             return []
-        actions: list[Action] = []
+        actions: list[Action] = self._favour_held()
         for _, session in self._refresh.pop_due(now):
             if session in self._retained_until and self._retained_until[session] - now <= (
                 retention.ttl_s * retention.refresh_fraction
@@ -121,10 +134,25 @@ class Keep:
         self._due.clear()
         return actions
 
+    def _favour_held(self) -> list[Action]:
+        actions: list[Action] = []
+        priority = self.retention.held_priority
+        for session in self._held:
+            program = self._programs.get(session)
+            # still paused with a call held (a resume since sent its own Prefetch)
+            if program is None or not program.paused or not program.waiting:
+                continue
+            worker = program.home_worker
+            if priority is not None and worker is not None and self._index.host_tokens(worker, session) > 0:
+                actions.append(Prefetch(session, worker, priority, program.chain_head))
+        self._held.clear()
+        return actions
+
     def forget(self, session: str) -> None:
         """The program was released."""
         self._retained_until.pop(session, None)
         self._due.pop(session, None)
+        self._held.pop(session, None)
         self._refresh.trim()
 
     def _refresh_wanted(self, entry: tuple[float, str]) -> bool:

@@ -104,7 +104,9 @@ class ProgramAwarePolicy(Policy):
             self._dormancy.observe_arrival(program, now)
         decision = super().on_arrival(request, now)
         if not isinstance(decision, Admit):
-            self._resume.held(self.programs[request.session_id], request, now)
+            held = self.programs[request.session_id]
+            self._resume.held(held, request, now)
+            self._keep.held(held)
         return decision
 
     def decide_arrival(self, program: Program, call: Call, now: float) -> Decision:
