@@ -4,6 +4,9 @@
 #   make test    run the test suite
 #   make test-fast  the suite without its slow tiers (real vLLM, real clients, Ray, long runs):
 #                the edit-run loop, under 3 minutes on 2 cores
+#   make fuzz    the fuzz tier's long run: 100,000 inputs per target (tests/fuzz; hours on 2
+#                cores; FUZZ=tests/fuzz/<file>[::<test>] runs one target). `make test` runs
+#                the same targets with a few hundred inputs each
 #   make bench   print BENCH <name> <value> <unit> lines (progress goes to stderr)
 #   make clean   remove caches and build outputs (keeps .venv); `make distclean` also drops .venv
 
@@ -17,7 +20,7 @@ OPTIONAL_EXTRAS := ray
 # Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
 STAMP  := $(VENV)/.sluice-installed
 
-.PHONY: venv vllm-venv test test-fast demo bench clean distclean
+.PHONY: venv vllm-venv test test-fast fuzz demo bench clean distclean
 
 venv: $(STAMP)
 
@@ -43,6 +46,12 @@ test: venv vllm-venv
 # What is slow is listed in tests/conftest.py; no vLLM needed.
 test-fast: venv
 	$(VPY) -m pytest -q -m "not slow" tests
+
+# The profile is tests/fuzz/profiles.py's: random seeds, no deadline, failures kept in
+# .hypothesis/ so that the next run tries them first.
+FUZZ ?= tests/fuzz
+fuzz: venv
+	SLUICE_FUZZ_PROFILE=long $(VPY) -m pytest -q -rxX --hypothesis-show-statistics $(FUZZ)
 
 demo: venv
 	$(VENV)/bin/sluice demo

@@ -26,6 +26,7 @@ from controller.errors import (
     INVALID_REQUEST,
     NOT_FOUND,
     PERMISSION,
+    UNAVAILABLE,
     error_response,
 )
 from controller.fleet import Fleet
@@ -103,6 +104,11 @@ class AdminApi:
                 "capacity_tokens": state.capacity_tokens,
                 "capacity_source": state.capacity_source,
                 "capacity_error": state.capacity_error,
+                # checks the gateway could not make for want of its own descriptors,
+                # buffers or memory (not counted against the worker), and the shortage
+                # that stops them now (None: they are being made)
+                "local_shortages": state.local_shortages,
+                "local_shortage": state.local_shortage,
                 "utilization": view.utilization,
                 # KV-event subscriber: "kv_index" once the worker's events flow, else "estimate"
                 "utilization_source": "kv_index" if view.kv_events else "estimate",
@@ -122,7 +128,11 @@ class AdminApi:
     # -- membership ------------------------------------------------------------------------
 
     async def add_worker(self, request: Request) -> Response:
-        """``POST /sluice/workers`` with a worker entry as in the config's ``workers:``."""
+        """``POST /sluice/workers`` with a worker entry as in the config's ``workers:``. Its
+        URL must be one ``worker_urls`` allows (its host name resolved, every address
+        checked) and its API key readable: else a 400 naming ``worker.url`` or
+        ``worker.api_key_env`` / ``worker.api_key_file``, before any connection to it
+        (:meth:`Fleet.add`)."""
         if (denied := self._deny(request)) is not None:
             return denied
         try:
@@ -137,7 +147,7 @@ class AdminApi:
         try:
             record = await self._fleet.add(worker)
         except MembershipError as err:
-            return error_response(err.status, str(err), INVALID_REQUEST)
+            return _membership_refused(err)
         return JSONResponse({"name": record.name, "mode": record.state.mode.value,
                              "healthy": record.state.healthy, **record.wiring}, status_code=201)
 
@@ -153,8 +163,7 @@ class AdminApi:
         try:
             state = await self._fleet.set_mode(name, modes[action])
         except MembershipError as err:
-            return error_response(err.status, str(err), NOT_FOUND if err.status == 404
-                                  else INVALID_REQUEST)
+            return _membership_refused(err)
         return JSONResponse({"name": name, "mode": state.mode.value,
                              "calls_in_flight": self._admission.calls_on(name)})
 
@@ -166,8 +175,7 @@ class AdminApi:
         try:
             await self._fleet.remove(name)
         except MembershipError as err:
-            return error_response(err.status, str(err), NOT_FOUND if err.status == 404
-                                  else INVALID_REQUEST)
+            return _membership_refused(err)
         return JSONResponse({"removed": name})
 
     async def config(self, request: Request) -> Response:
@@ -194,3 +202,11 @@ class AdminApi:
             return error_response(404, "this gateway was not started from a config file", NOT_FOUND)
         ok = await self._reloader.reload("admin API")
         return JSONResponse({"reloaded": ok, **self._reloader.status}, status_code=200 if ok else 422)
+
+
+def _membership_refused(err: MembershipError) -> Response:
+    """A membership request that cannot be done, typed by its status: an unknown worker
+    (404), the gateway unable to do it now (503: not running, out of local resources), or
+    a request at odds with the fleet (409)."""
+    type_ = {404: NOT_FOUND, 503: UNAVAILABLE}.get(err.status, INVALID_REQUEST)
+    return error_response(err.status, str(err), type_)

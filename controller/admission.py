@@ -16,7 +16,10 @@ carries out what comes back; it decides nothing itself.
   disappears, one admitted meanwhile ends without usage.
 - Bounds (``limits:``): a call that would start a program past ``max_programs``, or be held
   past ``max_held_calls``, is refused with 429; one held ``max_hold_s`` gets 503. Both carry
-  ``Retry-After`` and are counted in :attr:`Admission.refusals`.
+  ``Retry-After`` and are counted in :attr:`Admission.refusals`. With client keys
+  (controller/client_keys.py), a key's own ``max_programs`` and ``max_held_calls`` bound
+  the programs it owns and its calls held, on top of them (429, counted as
+  ``client_max_programs`` / ``client_max_held_calls``).
 - A policy error is that call's failure, never a silent divergence: the exception is
   logged with its context and counted (:attr:`Admission.core_errors`), and the shell then
   reconciles its view with the policy's (:meth:`Admission.disagreements` lists what differs):
@@ -46,6 +49,7 @@ from typing import Any, assert_never
 
 import anyio
 
+from controller.client_keys import ClientKey, ClientKeys
 from controller.errors import INTERNAL, RATE_LIMITED, UNAVAILABLE, GatewayError
 from controller.serve_config import LimitsConfig, WorkerConfig
 from scheduler.actions import Action, Admit, Directive, Hold, Mark, Pause, Release, Resume, engine_priority
@@ -108,23 +112,28 @@ class Admitted:
 
 
 class _Waiter:
-    __slots__ = ("request", "event", "outcome", "held_at")
+    __slots__ = ("request", "event", "outcome", "held_at", "client")
 
-    def __init__(self, request: CallRequest, held_at: float) -> None:
+    def __init__(self, request: CallRequest, held_at: float, client: str | None = None) -> None:
         self.request = request
         self.event = anyio.Event()
         self.outcome: Admitted | GatewayError | None = None
         self.held_at = held_at
+        self.client = client  # the name of the client key whose call it is (None: no keys)
 
 
 class Admission:
     def __init__(self, policy: Policy, *, clock: Callable[[], float], log: Any,
-                 sink: DirectiveSink | None = None, limits: LimitsConfig | None = None) -> None:
+                 sink: DirectiveSink | None = None, limits: LimitsConfig | None = None,
+                 clients: ClientKeys | None = None) -> None:
         self.policy = policy
         self._clock = clock
         self._log = log
         self.sink = sink if sink is not None else DirectiveSink(log)
         self.limits = limits if limits is not None else LimitsConfig()
+        # The client keys and the sessions they own; None: the gateway has no keys.
+        self.clients = clients
+        self._held_by_client: dict[str, int] = {}  # key name -> its calls held now
         # Every policy call that can change it holds this (invariant 1). fast_acquire: an
         # uncontended lock is taken without yielding to the event loop (measured: ~14 us
         # less per call, and no extra scheduling turn per call under load).
@@ -147,8 +156,9 @@ class Admission:
 
     async def arrive(self, request: CallRequest) -> Admitted:
         """Admit ``request`` now or wait until the policy admits it. Raises GatewayError:
-        429 past ``max_programs`` / ``max_held_calls``, 503 when its program is released
-        while it waits or it waited ``max_hold_s``, 500 when the policy fails on it.
+        429 past ``max_programs`` / ``max_held_calls`` (the global ones, or its key's own),
+        503 when its program is released while it waits or it waited ``max_hold_s``, 500 when
+        the policy fails on it.
         Cancelling the wait (the client went away) aborts the call in the policy."""
         limits = self.limits
         async with self._lock:
@@ -157,6 +167,9 @@ class Admission:
                     and self.policy.program_count() >= limits.max_programs):
                 raise self._refuse("max_programs", 429, f"the gateway tracks {limits.max_programs} "
                                    "programs, its limit (limits.max_programs); retry later")
+            client = self.clients.owner(request.session_id) if self.clients is not None else None
+            if client is not None:
+                self._check_client_programs(client, request)
             try:
                 decision = self.policy.on_arrival(request, now)
             except Exception as err:
@@ -171,8 +184,14 @@ class Admission:
                 self._forget(request.request_id, now)
                 raise self._refuse("max_held_calls", 429, f"{limits.max_held_calls} calls are "
                                    "held already, the limit (limits.max_held_calls); retry later")
-            waiter = _Waiter(request, now)
-            self._waiters[request.request_id] = waiter
+            if (client is not None and client.max_held_calls is not None
+                    and self._held_by_client.get(client.name, 0) >= client.max_held_calls):
+                self._forget(request.request_id, now)
+                raise self._refuse("client_max_held_calls", 429, f"{client.max_held_calls} calls "
+                                   f"of the client key {client.name} are held already, its limit "
+                                   "(max_held_calls of clients:); retry later")
+            waiter = _Waiter(request, now, client.name if client is not None else None)
+            self._hold(waiter)
             self._log.info("call held", request_id=request.request_id,
                            session_id=request.session_id, reason=decision.reason)
         try:
@@ -193,8 +212,36 @@ class Admission:
             raise outcome
         return outcome
 
+    def _check_client_programs(self, client: ClientKey, request: CallRequest) -> None:
+        """429 when ``request`` would start one program more than its key may own."""
+        assert self.clients is not None
+        if client.max_programs is None or self.policy.has_program(request.session_id):
+            return
+        # Under the lock (invariant 1): programs start only here, so the count is exact.
+        if self.clients.programs_of(client, self.policy.has_program) >= client.max_programs:
+            raise self._refuse("client_max_programs", 429, f"the client key {client.name} owns "
+                               f"{client.max_programs} programs, its limit (max_programs of "
+                               "clients:); retry later")
+
+    def _hold(self, waiter: _Waiter) -> None:
+        self._waiters[waiter.request.request_id] = waiter
+        if waiter.client is not None:
+            self._held_by_client[waiter.client] = self._held_by_client.get(waiter.client, 0) + 1
+
+    def _unhold(self, request_id: str) -> _Waiter | None:
+        """Take a call out of the held ones (woken, refused, given up or abandoned)."""
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None and waiter.client is not None:
+            left = self._held_by_client[waiter.client] - 1
+            if left:
+                self._held_by_client[waiter.client] = left
+            else:
+                del self._held_by_client[waiter.client]
+        return waiter
+
     def _refuse(self, limit: str, status: int, message: str) -> GatewayError:
-        self.refusals[limit] += 1
+        # .get: the client_* limits appear in the counts (and metrics) once they refuse
+        self.refusals[limit] = self.refusals.get(limit, 0) + 1
         self._log.warning("call refused", limit=limit, status=status)
         return GatewayError(status, message, RATE_LIMITED if status == 429 else UNAVAILABLE,
                             retry_after_s=self.limits.retry_after_s)
@@ -240,7 +287,7 @@ class Admission:
             if isinstance(outcome, GatewayError):
                 return  # refused: the policy dropped it already
             if outcome is None:
-                self._waiters.pop(request_id, None)
+                self._unhold(request_id)
             else:
                 self._dispatched.discard(request_id)
             self._log.info("client left", request_id=request_id,
@@ -264,7 +311,7 @@ class Admission:
         async with self._lock:
             if waiter.outcome is not None:
                 return False
-            del self._waiters[waiter.request.request_id]
+            self._unhold(waiter.request.request_id)
             self._forget(waiter.request.request_id, self._clock())
             return True
 
@@ -299,7 +346,7 @@ class Admission:
         tracked = self.policy.call_workers()
         for request_id, waiter in list(self._waiters.items()):
             if request_id not in tracked:
-                del self._waiters[request_id]
+                self._unhold(request_id)
                 waiter.outcome = GatewayError(500, "internal error in the scheduling policy; "
                                               "the call was not run", INTERNAL)
                 waiter.event.set()
@@ -472,7 +519,7 @@ class Admission:
                     assert_never(action)
 
     def _wake(self, action: Admit, now: float) -> None:
-        waiter = self._waiters.pop(action.request_id, None)
+        waiter = self._unhold(action.request_id)
         if waiter is None:
             self._log.error("admit for a call nobody waits on", request_id=action.request_id,
                             session_id=action.session_id, worker=action.worker)
@@ -486,7 +533,7 @@ class Admission:
         for request_id, waiter in list(self._waiters.items()):
             if waiter.request.session_id != action.session_id:
                 continue
-            del self._waiters[request_id]
+            self._unhold(request_id)
             waiter.outcome = GatewayError(
                 503, f"program {action.session_id} was released ({action.reason}) while this "
                 "call waited", UNAVAILABLE,

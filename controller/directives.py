@@ -7,7 +7,9 @@ or at run time), :meth:`ZmqDirectiveSink.remove` closes it when the worker leave
 is called under the admission lock, so it never blocks: a message that cannot be queued (the
 socket's high-water mark reached, the engine gone) is dropped and counted. Directives are
 hints, so a dropped one costs cache efficiency, never correctness; one for a worker without
-a socket (no ``directives`` endpoint) is counted as sent and goes nowhere.
+a socket (no ``directives`` endpoint) is counted as sent and goes nowhere. To a worker with a
+``zmq_server_key`` the socket is a CurveZMQ client (controller/zmq_keys.py): the worker accepts
+its directives only because it knows the gateway's public key.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import zmq
 
 from controller.admission import DirectiveSink
 from controller.serve_config import WorkerConfig
+from controller.zmq_keys import GatewayZmqKeys
 from scheduler.actions import Directive
 from sluice_vllm_plugin import directive_envelope
 from sluice_vllm_plugin.directive_envelope import PROTOCOL_VERSION, Envelope, KvAction, encode_json
+from sluice_vllm_plugin.zmq_auth import set_client_options
 
 SEND_HWM = 10_000
 
@@ -38,8 +42,9 @@ def envelope(action: Directive, message_id: str) -> Envelope:
 
 
 class ZmqDirectiveSink(DirectiveSink):
-    def __init__(self, log: Any | None = None) -> None:
+    def __init__(self, log: Any | None = None, zmq_keys: GatewayZmqKeys | None = None) -> None:
         super().__init__(log)
+        self._zmq_keys = zmq_keys
         self._context = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
         self._ids = itertools.count()
@@ -50,10 +55,16 @@ class ZmqDirectiveSink(DirectiveSink):
             return
         if worker.name in self._sockets:
             raise ValueError(f"directives: a worker named {worker.name!r} has a socket already")
+        keys = self._zmq_keys.client(worker) if self._zmq_keys is not None else None
+        if keys is None and worker.zmq_server_key is not None:
+            raise ValueError(f"directives: worker {worker.name!r} has a zmq_server_key, but this "
+                             "sink was made without the gateway's keys")
         sock = self._context.socket(zmq.PUSH)
         try:
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                set_client_options(sock, keys)
             sock.connect(worker.directives)
         except zmq.ZMQError:
             sock.close(linger=0)

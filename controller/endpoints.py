@@ -5,7 +5,8 @@ health and metrics.
 A proxied request (``POST`` on one of :data:`~controller.prompt.ROUTES`), in order:
 
 1. The body is read (``max_body_bytes``, else 413) and parsed (else 400; nested too deeply
-   to parse or walk is a 400 too: controller/request_body.py). Errors on ``/v1/messages``
+   to parse or walk is a 400 too, as is a ``stream`` that is not a boolean:
+   controller/request_body.py). Errors on ``/v1/messages``
    routes come in Anthropic's shape, elsewhere in OpenAI's (:mod:`controller.errors`).
 2. Its identity is resolved (:func:`controller.identity.resolve_identity`; an invalid id is
    a 400 naming the header or field; a call without identity continues the program whose
@@ -13,6 +14,11 @@ A proxied request (``POST`` on one of :data:`~controller.prompt.ROUTES`), in ord
    404 (:mod:`controller.model_catalog`).
 3. It becomes a :class:`~scheduler.calls.CallRequest` and goes to the relay. A request
    refused before that still writes its ``request_end`` record.
+
+With client keys (controller/client_keys.py), a call is first authenticated (401 without a
+valid key, before its body is read), its session must not be another key's (403; it becomes
+the key's own when nobody's), and its key headers are not forwarded. The token count and the
+model list need a key too; health and metrics do not.
 
 ``POST /v1/messages/count_tokens`` is not a call: it is relayed to one healthy worker (the
 session's home worker when the session is a known program) without the policy hearing of it.
@@ -23,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from controller.client_keys import ClientKey, ClientKeys, without_credentials
 from controller.errors import (
     INTERNAL,
     INVALID_REQUEST,
@@ -52,6 +59,7 @@ from controller.relay import ProxyCall, RelayContext
 from controller.relay_client import TransportError
 from controller.request_body import (
     ClientGone,
+    check_stream_flag,
     parse_json_object,
     read_asgi_body,
     read_request_body,
@@ -60,6 +68,7 @@ from controller.request_body import (
 from controller.request_log import request_end_record
 from controller.upstream import (
     PRIORITY_KEY,
+    ClientHeaders,
     forward_headers,
     open_upstream,
     prepare_body,
@@ -69,6 +78,7 @@ from controller.upstream import (
     transport_error,
 )
 from scheduler.calls import CallRequest
+from scheduler.coordinates import ContinuationId
 
 ROUTE_COUNT_TOKENS = "/v1/messages/count_tokens"
 
@@ -79,8 +89,9 @@ class Endpoints:
     """The handlers of the gateway's routes, sharing one app's parts."""
 
     def __init__(self, parts: Parts, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 call_lines: CallLines) -> None:
+                 call_lines: CallLines, client_keys: ClientKeys | None = None) -> None:
         self.parts = parts
+        self.client_keys = client_keys  # None: clients need no key
         self.call_lines = call_lines
         self.config = parts.config
         self.clock = clock
@@ -93,8 +104,11 @@ class Endpoints:
         self._id_prefix = f"sluice-{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count(1)
         # what every call it hands to the relay shares
+        # which client headers the workers get (forward_client_headers; none by default)
+        self.client_headers = ClientHeaders(parts.config.forward_client_headers,
+                                            self.forwards_client_priority)
         self._relay_context = RelayContext(parts, clock, wall_clock, call_lines,
-                                           self.forwards_client_priority)
+                                           self.client_headers)
 
     def count_request(self, route: str, status: int) -> None:
         self.parts.metrics.count_request(route, status)
@@ -107,14 +121,18 @@ class Endpoints:
         received, received_wall = self.clock(), self.wall()
         route = scope["path"]
         assigned: Identity | None = None  # a call without identity, counted in conversations
+        client: ClientKey | None = None
         try:
             headers = _header_map(scope["headers"])
             try:
+                client = self._authenticate(headers, route)
                 body_bytes = await read_asgi_body(receive, headers, self.config.max_body_bytes)
                 body = parse_json_object(body_bytes)
+                check_stream_flag(body)
                 try:
                     identity, forward = resolve_identity(route, headers, body,
-                                                         self.parts.responses.get)
+                                                         self.parts.responses.get,
+                                                         _tenant(client))
                     strip_client_engine_keys(forward, self.forwarded_client_keys)
                 except RecursionError:
                     # A body that decoded just under the interpreter's limit can still be too
@@ -139,7 +157,7 @@ class Endpoints:
                 await unknown.response(path=route)(scope, receive, send)
                 return
             if identity.source == CONTENT_SOURCE:
-                identity = assigned = self._continue_conversation(identity)
+                identity = assigned = self._continue_conversation(identity, client)
             try:
                 stream = forward.get("stream") is True
                 drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
@@ -175,9 +193,44 @@ class Endpoints:
         path = scope.get("raw_path") or route.encode()
         if query:
             path += b"?" + query
-        await ProxyCall(self._relay_context, route, path, scope["headers"], call, identity,
-                        content, stream, drop_usage, received, received_wall,
-                        sends_priority)(receive, send)
+        raw_headers = scope["headers"]
+        if client is not None:
+            assert self.client_keys is not None
+            try:
+                self.client_keys.claim(client, identity.session_id, identity.parent_session_id,
+                                       self.parts.admission.policy.has_program)
+            except GatewayError as err:
+                self.log.warning("session of another client key", route=route,
+                                 client_key=client.name, session_id=identity.session_id,
+                                 parent_session_id=identity.parent_session_id)
+                if assigned is not None:
+                    self.parts.conversations.failed(assigned.session_id, assigned.chain.head)
+                refusal = self._refuse(route, err)
+                self._record_refused(route, refusal.status_code, str(err), identity, received,
+                                     received_wall)
+                await refusal(scope, receive, send)
+                return
+            raw_headers = without_credentials(raw_headers)
+        try:
+            await ProxyCall(self._relay_context, route, path, raw_headers, call, identity,
+                            content, stream, drop_usage, received, received_wall,
+                            sends_priority)(receive, send)
+        finally:
+            if client is not None:
+                assert self.client_keys is not None
+                self.client_keys.call_ended(client, identity.session_id)
+
+    def _authenticate(self, headers: Mapping[str, str], route: str) -> ClientKey | None:
+        """The client key a request carries; None when the gateway has no keys. A 401
+        :class:`GatewayError` when it has keys and the request carries none of them (logged
+        by route and reason; the key is never logged)."""
+        if self.client_keys is None:
+            return None
+        try:
+            return self.client_keys.authenticate(headers)
+        except GatewayError as err:
+            self.log.warning("client not authenticated", route=route, problem=err.message)
+            raise
 
     def _record_refused(self, route: str, status: int, error: str, identity: Identity | None,
                         received: float, received_wall: float) -> None:
@@ -196,14 +249,31 @@ class Endpoints:
             extra={"worker": None, "route": route, "status": status, "error": error,
                    "identity_source": identity.source if identity is not None else None}))
 
-    def _continue_conversation(self, identity: Identity) -> Identity:
+    def _continue_conversation(self, identity: Identity, client: ClientKey | None) -> Identity:
         """A call without identity: the program whose last answer it carries on, or a new
         one of its opening's group (controller/conversations.py), counted in flight until
-        the call ends."""
+        the call ends. With client keys, a program another key owns is not continued: the
+        call starts a new program of its own key's group instead."""
         assert identity.group_id is not None  # resolve_identity names the opening's group
-        session = self.parts.conversations.assign(identity.group_id, identity.continues,
-                                                  identity.chain.head)
+        conversations = self.parts.conversations
+        prompt_head = identity.chain.head
+        if client is not None and self._owned_by_another(
+                client, conversations.find(identity.continues, prompt_head)):
+            # Two keys sent the same conversation, answer and all. A lookup by a head that
+            # matches nothing (the call's own request serial) mints a new program of the
+            # group and finds none; the call's end is still reported under its real head.
+            session = conversations.assign(identity.group_id, None,
+                                           ContinuationId(f"{self._id_prefix}fresh-"
+                                                          f"{next(self._ids)}"))
+        else:
+            session = conversations.assign(identity.group_id, identity.continues, prompt_head)
         return dataclasses.replace(identity, session_id=session)
+
+    def _owned_by_another(self, client: ClientKey, session_id: str | None) -> bool:
+        if session_id is None or self.client_keys is None:
+            return False
+        owner = self.client_keys.owner(session_id)
+        return owner is not None and owner is not client
 
     def _refuse(self, route: str, err: GatewayError | IdentityError) -> Response:
         """The gateway's own answer to a request it will not forward, counted by status."""
@@ -224,12 +294,13 @@ class Endpoints:
         engine worth scheduling, so the policy never hears of it (no program, no hold)."""
         route = request.url.path
         try:
+            client = self._authenticate(request.headers, route)
             body = parse_json_object(await read_request_body(request, self.config.max_body_bytes))
             try:
                 # Resolved as a Messages body (it is one, minus max_tokens) so it finds the
                 # same session, and so the same program, as the call it prepares.
                 identity, forward = resolve_identity(ROUTE_MESSAGES, request.headers, body,
-                                                     self.parts.responses.get)
+                                                     self.parts.responses.get, _tenant(client))
                 strip_client_engine_keys(forward, self.forwarded_client_keys)
                 content = _encode(forward)
             except RecursionError:
@@ -240,13 +311,23 @@ class Endpoints:
             session = identity.session_id
             if identity.source == CONTENT_SOURCE:
                 # the program the call it prepares would continue (nothing is counted)
-                session = self.parts.conversations.find(identity.continues, identity.chain.head) or session
+                found = self.parts.conversations.find(identity.continues, identity.chain.head)
+                if found is not None and not (client is not None
+                                              and self._owned_by_another(client, found)):
+                    session = found
+            raw_headers = request.headers.raw
+            if client is not None:
+                assert self.client_keys is not None
+                # nothing runs, so nothing is claimed; another key's session is still refused
+                self.client_keys.check(client, session, identity.parent_session_id,
+                                       self.parts.admission.policy.has_program)
+                raw_headers = without_credentials(raw_headers)
             worker = self._count_tokens_worker(session)
             if worker is None:
                 raise GatewayError(503, "no healthy worker: every worker fails its health checks",
                                    UNAVAILABLE)
             path = route.encode() + (b"?" + request.url.query.encode() if request.url.query else b"")
-            headers = forward_headers(request.headers.raw, session)
+            headers = forward_headers(raw_headers, session, self.client_headers)
             response = await open_upstream(self.parts.pool, worker, path, content, headers)
             try:
                 answer = await response.aread()
@@ -279,6 +360,10 @@ class Endpoints:
         return healthy[0]
 
     async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request.headers, request.url.path)
+        except GatewayError as err:
+            return self._refuse(request.url.path, err)
         if self.config.models is not None:
             created = int(self.wall())
             data = [{"id": m, "object": "model", "created": created, "owned_by": "sluice"}
@@ -298,6 +383,11 @@ class Endpoints:
 
     async def metrics(self, request: Request) -> Response:
         return self.parts.metrics.render()
+
+
+def _tenant(client: ClientKey | None) -> str | None:
+    """What names a client's content sessions apart from other keys' (its key's name)."""
+    return client.name if client is not None else None
 
 
 class _HeaderMap(dict):

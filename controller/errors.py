@@ -8,10 +8,16 @@ the error is about one header or body field (an invalid session id, say).
 Anthropic routes (``/v1/messages`` and below): ``{"type": "error", "error": {"type",
 "message"}}`` with one of the error types Anthropic documents, chosen from the HTTP status,
 because the Anthropic SDKs and Claude Code read ``error.type`` and expect only those.
+
+The gateway's own shortages (descriptors, socket buffers, memory) are told apart from the
+workers' faults: :func:`local_shortage` finds one in a failure's chain, and
+:func:`out_of_local_resources` is the 503 a call gets for it (code
+``gateway_out_of_resources``), so that no worker is blamed for what the gateway lacks.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 
 from starlette.responses import JSONResponse
@@ -27,6 +33,16 @@ UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
 RATE_LIMITED = "rate_limit_error"
 MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model it does not serve
+INVALID_API_KEY = "invalid_api_key"  # OpenAI's error code for a missing or wrong key
+# the error code of a 503 that the gateway's own shortage caused (out_of_local_resources)
+OUT_OF_LOCAL_RESOURCES = "gateway_out_of_resources"
+
+# errno values by which the gateway's own machine says it ran out of something: descriptors
+# (the process's, the system's), socket buffers, memory. An operation failing with one of
+# them says nothing of the peer it was meant for.
+LOCAL_SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Retry-After of such a 503: a shortage lasts about as long as the burst that caused it.
+LOCAL_SHORTAGE_RETRY_AFTER_S = 1
 
 ANTHROPIC_ROUTE_PREFIX = "/v1/messages"
 # Anthropic's documented error types by HTTP status; other 4xx/5xx fall back below.
@@ -107,3 +123,40 @@ class GatewayError(Exception):
 def error_response(status: int, message: str, type_: str, param: str | None = None,
                    headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
     return GatewayError(status, message, type_, param).response(headers, path)
+
+
+def local_shortage(exc: BaseException) -> OSError | None:
+    """The :class:`OSError` in ``exc``'s chain (itself, its causes and contexts, the members
+    of exception groups) by which the gateway's own machine ran out of descriptors, buffers
+    or memory (:data:`LOCAL_SHORTAGE_ERRNOS`); None when there is none. The chain is walked
+    because the clients wrap the error: httpx's ``ConnectError`` has it as a cause, the
+    relay client's as the context of its own ``ConnectError``."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in LOCAL_SHORTAGE_ERRNOS:
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        pending.extend(linked for linked in (current.__cause__, current.__context__)
+                       if linked is not None)
+    return None
+
+
+def describe_shortage(shortage: OSError) -> str:
+    """``EMFILE: Too many open files``: the errno's name, then what the system says of it."""
+    name = errno.errorcode.get(shortage.errno or 0, f"errno {shortage.errno}")
+    return f"{name}: {shortage.strerror or shortage}"
+
+
+def out_of_local_resources(doing: str, shortage: OSError) -> GatewayError:
+    """The 503 of a call that failed for want of the gateway's own resources while
+    ``doing`` (``connecting to worker w0``): it says the worker is not at fault."""
+    return GatewayError(
+        503, f"the gateway is out of local resources ({describe_shortage(shortage)}) while "
+        f"{doing}; the worker is not at fault: retry shortly", UNAVAILABLE,
+        code=OUT_OF_LOCAL_RESOURCES, retry_after_s=LOCAL_SHORTAGE_RETRY_AFTER_S)

@@ -63,11 +63,14 @@ import anyio
 import anyio.abc
 
 from controller.admission import Admission, DirectiveSink
+from controller.errors import describe_shortage, local_shortage
 from controller.metrics import Metrics
 from controller.serve_config import ServeConfig, WorkerConfig
+from controller.worker_urls import WorkerUrlRefused, shown
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import UpstreamPool
 from controller.workers import MembershipError, WorkerMode, WorkerRegistry, WorkerState
+from scheduler.config import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +189,15 @@ class Fleet:
         """Open the configured workers (started once they are all wired), then run every
         worker's tasks, and the bound KV-event socket's reader, until cancelled."""
         try:
+            # every configured worker checked before any is opened, every problem told
+            problems = []
+            for index, worker in enumerate(self._config.workers):
+                try:
+                    await self._check_admissible(worker)
+                except (WorkerUrlRefused, ConfigError) as err:
+                    problems.append(_keyed(f"workers.{index}", err))
+            if problems:
+                raise ConfigError("\n".join(problems))
             async with anyio.create_task_group() as tg:
                 self._tasks = tg
                 async with self._membership:
@@ -194,16 +206,42 @@ class Fleet:
                 # after them, so that no frame of theirs counts as one of an unknown worker
                 tg.start_soon(self.tables.kv_events.run, name="KV-event bound reader")
                 task_status.started()
+                # Held open until cancelled: the group must outlive its tasks, or removing
+                # the last worker (with no bound KV socket, whose reader returns at once)
+                # would end it, and no worker could join again.
+                await anyio.sleep_forever()
         finally:
             self._tasks = None
 
     async def add(self, worker: WorkerConfig) -> WorkerRecord:
-        """Add a worker at run time, wired as a configured one is; MembershipError (409)
-        when the name is taken."""
+        """Add a worker at run time, wired as a configured one is; MembershipError (400)
+        when its URL is outside ``worker_urls`` or its API key cannot be read, (409) when
+        the name is taken, (503) when the gateway is out of descriptors or memory."""
+        try:
+            # before the membership lock: resolving its host may take a while
+            await self._check_admissible(worker)
+        except (WorkerUrlRefused, ConfigError) as err:
+            self._log.warning("worker not added", worker=worker.name, url=shown(worker.url),
+                              problem=str(err))
+            raise MembershipError(_keyed("worker", err), status=400) from None
         async with self._membership:
             if worker.name in self.records:
                 raise MembershipError(f"a worker named {worker.name!r} exists already")
-            record = await self._open(worker, first_health_check=True)
+            try:
+                record = await self._open(worker, first_health_check=True)
+            except OSError as err:
+                # Opening makes sockets and clients (and the HTTP client loads its CA file):
+                # the gateway's own shortage stops it, which says nothing of the worker.
+                # Opening has undone its steps (invariant 1).
+                shortage = local_shortage(err)
+                if shortage is None:
+                    raise
+                problem = describe_shortage(shortage)
+                self._log.warning("worker not added: the gateway is out of local resources",
+                                  worker=worker.name, url=worker.url, problem=problem)
+                raise MembershipError(
+                    f"worker {worker.name!r} not added: the gateway is out of local resources "
+                    f"({problem}); retry shortly", status=503) from err
         self._log.info("worker added", worker=worker.name, url=worker.url,
                        capacity_tokens=worker.capacity_tokens, healthy=record.state.healthy,
                        **record.wiring)
@@ -240,6 +278,15 @@ class Fleet:
         await self.tables.sink.aclose()
         await self.tables.kv_events.aclose()
 
+    async def _check_admissible(self, worker: WorkerConfig) -> None:
+        """Refuse a worker the gateway must not talk to, before any connection to it: its
+        URL outside ``worker_urls`` (:class:`WorkerUrlRefused`; a host name is resolved and
+        every address checked, controller/worker_urls.py), or its API key unreadable
+        (:class:`ConfigError` naming ``api_key_env`` or ``api_key_file``)."""
+        await self._config.worker_urls.allow_list().check_addresses(
+            worker.url, self._config.upstream.connect_timeout_s)
+        worker.api_key()
+
     async def _open(self, worker: WorkerConfig, *, first_health_check: bool) -> WorkerRecord:
         if self._tasks is None:
             raise MembershipError("the gateway is not running: no worker can join", status=503)
@@ -247,3 +294,11 @@ class Fleet:
             worker, self.tables, self._tasks, first_health_check=first_health_check,
             health_interval_s=self._config.health_interval_s)
         return record
+
+
+def _keyed(prefix: str, err: WorkerUrlRefused | ConfigError) -> str:
+    """``err`` named by its key under ``prefix`` (``workers.1.url: ...``, ``worker.api_key_env:
+    ...``): a URL refusal is the ``url``'s; a key's ConfigError starts with its own key."""
+    if isinstance(err, WorkerUrlRefused):
+        return f"{prefix}.url: {err}"
+    return f"{prefix}.{err}"

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from controller.admin_api import AdminApi
 from controller.admission import Admission, DirectiveSink
+from controller.client_keys import load_client_keys
 from controller.config_reload import ConfigReloader
 from controller.directives import ZmqDirectiveSink
 from controller.drain import Drain
@@ -44,6 +45,7 @@ from controller.serve_config import ServeConfig
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import UpstreamPool
 from controller.workers import WorkerRegistry
+from controller.zmq_keys import GatewayZmqKeys
 from scheduler.policies import make_policy
 
 
@@ -58,8 +60,12 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     policy = make_policy(config.policy)
     if directive_sink is None:
         # Retention directives to the engines' Sluice plugin (controller/directives.py)
-        directive_sink = ZmqDirectiveSink(log)
-    admission = Admission(policy, clock=clock, log=log, sink=directive_sink, limits=config.limits)
+        directive_sink = ZmqDirectiveSink(log, GatewayZmqKeys(config))
+    # Client API keys (controller/client_keys.py): None when clients need none. Read before
+    # anything starts, so a key source that cannot be read stops the gateway here.
+    client_keys = load_client_keys(config)
+    admission = Admission(policy, clock=clock, log=log, sink=directive_sink, limits=config.limits,
+                          clients=client_keys)
     pool = UpstreamPool([], config.upstream)
     workers = WorkerRegistry(config, pool, admission, log, wall_clock)
     metrics = Metrics(admission)
@@ -75,7 +81,8 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     parts = Parts(config, admission, pool, workers, metrics, request_log, reloader,
                   ResponseSessions(), log, ModelCatalog(config, pool, workers, log), fleet,
                   kv_events, Drain(config.shutdown_grace_s))
-    endpoints = Endpoints(parts, clock, wall_clock, CallLines(config.log_level, log_stream))
+    endpoints = Endpoints(parts, clock, wall_clock, CallLines(config.log_level, log_stream),
+                          client_keys)
     admin = AdminApi(config.resolved_admin_token(), admission, fleet, reloader, clock)
 
     @asynccontextmanager
@@ -84,6 +91,8 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         parts.drain.open()
         log.info("gateway starting", policy=policy.name, workers=[w.name for w in config.workers],
                  config=str(config.path) if config.path else None)
+        if client_keys is not None:  # their names only: keys are never logged
+            log.info("client keys required", keys=[key.name for key in client_keys.keys])
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(admission.run_ticks)

@@ -72,6 +72,7 @@ USER_ID_SOURCE = "body.metadata.user_id"
 CONTENT_SOURCE = "content"
 CONTENT_SESSION_PREFIX = "c-"
 CONTENT_SESSION_NAMESPACE = b"sluice.session.v1"
+CONTENT_TENANT_PREFIX = b"tenant:"
 # Every source, in the order the first one present wins (docs and tests read this).
 SOURCE_ORDER = (AGENTIC_CONTEXT_SOURCE, NVEXT_CONTEXT_SOURCE, AGENT_HINT_SOURCE,
                 *SESSION_HEADERS, "body.session_id", "body.program_id", USER_ID_SOURCE,
@@ -134,6 +135,7 @@ def resolve_identity(
     headers: Mapping[str, str],
     body: dict,
     lookup_response: Callable[[str], SessionId | None] = _no_lookup,
+    tenant: str | None = None,
 ) -> tuple[Identity, dict]:
     """Resolve the session, parent, group, hints, final flag and continuation chain of one
     request.
@@ -141,7 +143,10 @@ def resolve_identity(
     ``route`` is one of :data:`ROUTES`. ``headers`` is looked up with lower-case names
     (starlette ``Headers`` are case-insensitive; a plain ``dict`` has its keys lower-cased
     here). ``lookup_response`` maps a ``previous_response_id`` to the session that produced
-    it, or ``None`` when unknown (the next source is then tried).
+    it, or ``None`` when unknown (the next source is then tried). ``tenant`` (the name of the
+    client key the call carries, when the gateway has keys) goes into the id of a session
+    named from content, so that two keys sending the same opening never share a program
+    (controller/client_keys.py); None keeps the id as it always was.
 
     Returns the identity and the body to forward: a shallow copy of ``body`` without
     ``program_id``, ``continuation_id``, ``agent_hint``, ``vllm_xargs.continuation_id``,
@@ -169,7 +174,8 @@ def resolve_identity(
     chain = mint_chain(model or "", cache_salt, prompt.tools, prompt.elements)
     session_id, source, group, continues = found.session, found.source, found.group, None
     if session_id is None:
-        session_id = _content_session(model, cache_salt, prompt.system, prompt.first_user)
+        session_id = _content_session(model, cache_salt, prompt.system, prompt.first_user,
+                                      tenant)
         source, group = CONTENT_SOURCE, session_id
         if prompt.answer is not None:
             start, answer = prompt.answer
@@ -417,18 +423,23 @@ def _final(headers: Mapping[str, str]) -> bool:
 
 
 def _content_session(
-    model: str | None, cache_salt: str | None, system: list[Any], first_user: Any
+    model: str | None, cache_salt: str | None, system: list[Any], first_user: Any,
+    tenant: str | None = None,
 ) -> SessionId:
-    """``c-<hex>``: the same model, salt, system prompt and first user message always give
-    the same id, so every turn of one conversation lands on one program."""
+    """``c-<hex>``: the same model, salt, system prompt and first user message (and client
+    key, when there is one) always give the same id, so every turn of one conversation lands
+    on one program."""
     h = hashlib.blake2b(digest_size=16)
-    for part in (
+    parts = [
         CONTENT_SESSION_NAMESPACE,
         (model or "").encode("utf-8"),
         (cache_salt or "").encode("utf-8"),
         canonical(system),
         canonical(first_user),
-    ):
+    ]
+    if tenant is not None:  # appended only then: ids without keys stay as they were
+        parts.append(CONTENT_TENANT_PREFIX + tenant.encode("utf-8"))
+    for part in parts:
         h.update(len(part).to_bytes(8, "big"))
         h.update(part)
     return SessionId(CONTENT_SESSION_PREFIX + h.hexdigest())

@@ -10,19 +10,52 @@ llm-d layout, and its replay socket (architecture.md §5.3).
 - Replay: a DEALER sends ``[b"", start_seq]`` and reads ``[b"", topic, seq, payload]``
   until seq −1 (:data:`END_SEQ`) (:func:`replay_from`); a data-parallel rank's replay socket is
   the rank 0 endpoint offset as vLLM offsets it (:func:`offset_endpoint`).
+- Every socket that reads the wire (the subscribers and the replay DEALER) is set up by
+  :func:`prepare_socket` before it connects or binds: no frame over
+  :data:`MAX_MESSAGE_BYTES` is ever read, and, for a worker with a ``zmq_server_key``, the
+  socket is a CurveZMQ client of that worker (controller/zmq_keys.py). A subscriber that connects is kept connected by
+  :func:`reconnect_when_lost` (libzmq gives up a connection over such a frame).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from sluice_vllm_plugin.zmq_auth import ClientKeys, set_client_options
+
 END_SEQ = b"\xff" * 8
 TOPIC_PREFIX = "kv@"
+
+# The largest frame a KV-event socket accepts. libzmq drops the connection of a peer that
+# announces a larger frame before it allocates any of it (the connection is made again, by the
+# peer or by :func:`reconnect_when_lost`; a batch lost so is a gap like any other, repaired
+# from replay). What vLLM sends: one batch per engine step; a BlockStored carries each stored
+# block's hash (at most 33 bytes) and its tokens' ids (at most 5 bytes each), and a
+# BlockRemoved (one per evicted block) about 60 bytes: some 11 bytes per token at block size
+# 16. A step stores and evicts at most a few tens of thousands of tokens (its
+# max_num_batched_tokens); with ``kv_cache_report_mode: "full"`` it also re-reports the cached
+# prefixes of the calls it admits. 32 MiB is about three million tokens' worth, several times
+# a whole GPU pool (about a million tokens for a small model on a 141 GB GPU): only dozens of
+# long calls re-reported in one step would come near it, and a batch over it is lost (the
+# index is reset and rebuilt, never wrong). The limit also caps what decoding one frame
+# costs, which can be about twelve times its size (a list of small ints as Python objects).
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+
+def prepare_socket(socket: zmq.Socket, client_keys: ClientKeys | None = None) -> None:
+    """Set up a socket that reads KV events or replays (before it connects or binds): no
+    linger at close, no frame over :data:`MAX_MESSAGE_BYTES`, and with ``client_keys`` a
+    CurveZMQ client of the worker they name (which then is the only publisher it hears)."""
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if client_keys is not None:
+        set_client_options(socket, client_keys)
 
 
 def publisher_epoch(frames: list[bytes]) -> bytes | None:
@@ -62,6 +95,30 @@ def worker_from_topic(topic: bytes, names: Iterable[str]) -> str | None:
     return None
 
 
+async def reconnect_when_lost(socket: zmq.asyncio.Socket, endpoint: str, log: Any) -> None:
+    """Keep ``socket`` connected to ``endpoint`` until cancelled. libzmq reconnects after an
+    ordinary loss, but gives a connection up for good after a protocol error, and a frame over
+    :data:`MAX_MESSAGE_BYTES` is one: a single oversized frame would end a subscription. So
+    every loss is answered with a fresh connection (an ordinary one merely comes back sooner),
+    and logged on the 1st, 2nd, 4th, 8th ... time, so that a flood of such frames cannot flood
+    the log."""
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    lost = 0
+    try:
+        while True:
+            await monitor.recv_multipart()
+            lost += 1
+            if lost & (lost - 1) == 0:
+                log.warning("KV-event connection lost (the publisher went away, or sent a frame "
+                            "over the size limit); reconnecting", endpoint=endpoint, count=lost,
+                            max_message_bytes=MAX_MESSAGE_BYTES)
+            socket.disconnect(endpoint)
+            socket.connect(endpoint)
+    finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
+
+
 def attach(socket: zmq.Socket, endpoint: str) -> str:
     """Bind an endpoint holding a wildcard, connect to any other; the endpoint in effect."""
     if "*" in endpoint:
@@ -84,14 +141,17 @@ class ReplayError(Exception):
 
 
 @asynccontextmanager
-async def replay_from(context: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float
-                 ) -> AsyncIterator[Callable[[], Awaitable[tuple[int, bytes] | None]]]:
-    """Ask ``endpoint`` for every buffered batch from ``start_seq`` on; yields a function
-    returning the next ``(seq, payload)``, or None after the end marker."""
+async def replay_from(context: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float,
+                      client_keys: ClientKeys | None = None
+                      ) -> AsyncIterator[Callable[[], Awaitable[tuple[int, bytes] | None]]]:
+    """Ask ``endpoint`` for every buffered batch from ``start_seq`` on (as a CurveZMQ client
+    with ``client_keys``); yields a function returning the next ``(seq, payload)``, or None
+    after the end marker. A server that turns the keys away shows as no answer in time."""
     socket = context.socket(zmq.DEALER)  # a fresh one: no late answer to an old ask
     timeout_ms = max(1, int(timeout_s * 1000))
     try:
-        socket.setsockopt(zmq.LINGER, 0)
+        # An answer over the size limit drops the connection: it shows as no answer in time.
+        prepare_socket(socket, client_keys)
         try:
             socket.connect(endpoint)
             await socket.send_multipart((b"", start_seq.to_bytes(8, "big")), flags=zmq.NOBLOCK)

@@ -168,6 +168,9 @@ class _KvEventsCollector(Collector):
                 "(then repaired from replay, or counted as a reset).", labels=["worker"]),
             "gaps_repaired": CounterMetricFamily(
                 "sluice_kv_gaps_repaired", "Seq gaps filled completely from the replay socket.", labels=["worker"]),
+            "undecodable": CounterMetricFamily(
+                "sluice_kv_batches_undecodable", "KV-event batches that did not decode, dropped (only the "
+                "replay's copy not decoding resets the index).", labels=["worker"]),
             "events_skipped": CounterMetricFamily(
                 "sluice_kv_events_skipped", "KV events of a type this Sluice does not know (a newer "
                 "engine's), skipped; the rest of their batches applied.", labels=["worker"]),
@@ -193,7 +196,8 @@ class _KvEventsCollector(Collector):
             queued.add_metric([worker], depth)
         yield queued
         ignored = CounterMetricFamily("sluice_kv_messages_ignored",
-                                      "KV-event messages ignored: malformed, or on the bound socket for no worker it feeds.",
+                                      "KV-event messages ignored: malformed, undecodable, or on the bound socket for no worker "
+                                      "it feeds.",
                                       labels=["reason"])
         for reason, n in sub.ignored.items():
             ignored.add_metric([reason], n)

@@ -56,6 +56,7 @@ from controller.request_log import request_end_record
 from controller.serve_config import ServeConfig
 from controller.upstream import (
     ERROR_SNIPPET_BYTES,
+    ClientHeaders,
     WorkerUnreachable,
     forward_headers,
     open_upstream,
@@ -88,7 +89,7 @@ class RelayContext:
     clock: Callable[[], float]
     wall: Callable[[], float]
     call_lines: CallLines
-    forwards_client_priority: bool  # ``forward_client_keys`` names ``priority``
+    client_headers: ClientHeaders  # which client headers the workers get
 
     @property
     def config(self) -> ServeConfig:
@@ -273,7 +274,7 @@ class ProxyCall:
                 parts.metrics.hold_seconds.observe(self.admitted.held_s)
             worker = self.admitted.worker
             headers = forward_headers(self.raw_headers_in, self.call.session_id,
-                                      self.ctx.forwards_client_priority)
+                                      self.ctx.client_headers)
             content = self.content
             if self.sends_priority and parts.pool.takes_priority(worker):
                 # this worker's treatment (a call placed again may land on another kind)
@@ -353,6 +354,13 @@ class ProxyCall:
                     await self._finish_stream(tap)
                 if out:
                     await self._body(out)
+                    if self._scope is not None and self._scope.cancel_called:
+                        # The client left (or the drain cut the call) while this chunk was
+                        # sent. anyio delivers the cancellation only once this task waits on
+                        # something not yet done, and a worker whose answer is already
+                        # buffered keeps every wait done: stop here instead of relaying the
+                        # rest to nobody and counting the call complete.
+                        return
             rest = tap.flush()
             if rest:
                 await self._body(rest)

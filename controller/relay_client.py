@@ -337,9 +337,11 @@ class RelayResponse:
 
 
 class WorkerConnections:
-    """The keep-alive pool of one worker (at most ``max_connections`` open at once)."""
+    """The keep-alive pool of one worker (at most ``max_connections`` open at once).
+    ``authorization``: the value of the ``Authorization`` header every request to this worker
+    carries (its API key), in place of any the caller passes; None: none is added."""
 
-    def __init__(self, url: str, limits: Limits) -> None:
+    def __init__(self, url: str, limits: Limits, authorization: str | None = None) -> None:
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
         self.tls = parts.scheme == "https"
@@ -348,6 +350,8 @@ class WorkerConnections:
         default_port = 443 if self.tls else 80
         self.host_header = (self.host if self.port == default_port else f"{self.host}:{self.port}").encode()
         self.limits = limits
+        self._authorization = (b"authorization: %s\r\n" % authorization.encode("latin-1")
+                               if authorization is not None else None)
         self._ssl = ssl.create_default_context() if self.tls else None
         self._idle: list[_Connection] = []
         self._open = 0
@@ -444,8 +448,13 @@ class WorkerConnections:
                       body: bytes = b"") -> RelayResponse:
         """Send one request and wait for the head of its answer."""
         lines = [b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (method, self.prefix, path, self.host_header)]
+        authorization = self._authorization
         for name, value in headers:
+            if authorization is not None and name.lower() == b"authorization":
+                continue  # the worker's own key goes instead (a client's is never its to see)
             lines.append(b"%s: %s\r\n" % (name, value))
+        if authorization is not None:
+            lines.append(authorization)
         lines.append(b"content-length: %d\r\n\r\n" % len(body))
         lines.append(body)
         data = b"".join(lines)

@@ -3,7 +3,8 @@
 Over the limit is a 413, answered after the rest of the body was read and dropped (up to
 :data:`DRAIN_LIMIT_BYTES`) so the client gets its answer instead of a connection reset in
 the middle of its upload; an empty body, one that is not JSON, not an object, or nested too
-deeply to parse is a 400 (:class:`~controller.errors.GatewayError`, shaped by the route).
+deeply to parse is a 400 (:class:`~controller.errors.GatewayError`, shaped by the route), as
+is a call whose ``stream`` is not a boolean (:func:`check_stream_flag`).
 The relay reads its bodies straight off ASGI (:func:`read_asgi_body`), the other routes
 through Starlette (:func:`read_request_body`); both keep the same limits.
 """
@@ -71,6 +72,24 @@ def parse_json_object(body_bytes: bytes) -> dict:
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object", INVALID_REQUEST)
     return body
+
+
+# JSON's names for the types a decoded body holds, for errors a client reads.
+_JSON_TYPES = {str: "a string", int: "a number", float: "a number", list: "an array",
+               dict: "an object"}
+
+
+def check_stream_flag(body: dict) -> None:
+    """A 400 unless ``stream`` is a JSON boolean, null or absent. OpenAI's and Anthropic's
+    APIs refuse any other value (``"stream": "true"`` included) as an invalid type, and so
+    does the gateway: taken as truthy it would be a stream the gateway does not read as one
+    (no usage accounted), taken as false a surprise to a client that asked for a stream."""
+    value = body.get("stream")
+    if value is None or isinstance(value, bool):
+        return
+    raise GatewayError(400, f"invalid type for 'stream': expected a boolean (true or false), "
+                            f"got {_JSON_TYPES.get(type(value), type(value).__name__)}",
+                       INVALID_REQUEST, param="stream")
 
 
 def too_deep() -> GatewayError:

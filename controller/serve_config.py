@@ -5,15 +5,21 @@ One YAML document, every top-level key optional except ``workers``::
     listen: {host: 127.0.0.1, port: 8080}
     admin_token_env: SLUICE_ADMIN_TOKEN   # or admin_token: "..." (the env var wins if set)
     max_body_bytes: 8388608
+    http: {keep_alive_s: 75, header_timeout_s: 20, max_connections: 2048, ...}
     request_log: /var/log/sluice/requests.jsonl   # opt-in
     health_interval_s: 5.0
     capacity_retry_s: 5.0
     upstream: {connect_timeout_s: 5, read_timeout_s: 600, ...}
+    worker_urls: {schemes: [http, https], networks: [127.0.0.0/8, 10.0.0.0/8, ...], hosts: []}
+    forward_client_headers: []            # client headers the workers get (none by default)
     workers: [{name, url, kv_events, replay, kv_topic?, directives, capacity_tokens?,
                scheduling_policy?}, ...]   # scheduling_policy: fcfs | priority (vLLM's flag)
     kv_events_bind: tcp://*:5557          # llm-d layout: one SUB, topics kv@<worker>@<model>
     kv_events_queue: 1000                 # batches queued per worker before drops (repaired)
     kv_replay_timeout_s: 2.0
+    zmq_keys: {secret_key_file: keys/gateway.key_secret}   # CurveZMQ client key pair
+    allow_insecure_bind: false            # kv_events_bind beyond loopback without keys
+    clients: {keys_file: clients.yaml, max_programs: 100}   # optional client API keys
     policy: {name: ..., ...}              # one section per policy: scheduler.config.AnyPolicyConfig
 
 Errors name the key with its dotted path (``workers.1.url: ...``), as ``check-config`` does
@@ -23,19 +29,58 @@ for ``policy:``; the ``policy:`` section is validated by
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    IPvAnyNetwork,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from scheduler.config import ConfigError, PolicyConfig, ProgramAwareConfig, load_yaml_text
 
+from controller.worker_urls import (
+    DEFAULT_NETWORKS,
+    DEFAULT_SCHEMES,
+    UrlAllowList,
+    WorkerUrlRefused,
+)
 from scheduler.config_reading import AnyPolicyConfig, format_validation_errors, parse_policy_config
+from sluice_vllm_plugin.zmq_auth import check_bind, load_key_pair, load_public_key
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
+# Client body keys, besides "priority" and "vllm_xargs", with which vLLM 0.32 lets a request
+# steer the engine rather than its own answer; dropped unless forward_client_keys names them.
+ENGINE_CONTROL_KEYS = (
+    # Passed to the KV connector as sampling_params.extra_args["kv_transfer_params"]
+    # (entrypoints/openai/chat_completion/protocol.py and completion/protocol.py
+    # to_sampling_params; read by v1/request.py Request.__init__ and the connectors): in a
+    # disaggregated setup it tells the engine where to pull or push KV blocks.
+    "kv_transfer_params",
+    # The same for the encoder cache (extra_args["ec_transfer_params"], same places).
+    "ec_transfer_params",
+    # The engine's request id (chat_completion/serving.py and completion/serving.py
+    # _base_request_id(raw_request, request.request_id); responses/serving.py uses it as
+    # is): chosen by the client it can collide with another client's request.
+    "request_id",
+)
+# Request headers the gateway sets itself (controller/upstream.py forward_headers), and those
+# that are the connection's: never taken from the client through forward_client_headers.
+GATEWAY_SET_HEADERS = frozenset({
+    "content-type", "content-length", "host", "accept-encoding", "x-session-id",
+    "x-vllm-priority", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+    "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
 
 Seconds = Annotated[float, Field(gt=0.0)]
 
@@ -47,6 +92,34 @@ class _Strict(BaseModel):
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
+
+
+class HttpConfig(_Strict):
+    """Bounds of the client-facing listener (controller/server.py): what a client connection
+    may send, how long it may take, and how many may be open. A request past one is answered
+    with an error (431, 408, 503) and its connection closed."""
+
+    # An idle connection between two requests is closed after this long. Above the pool
+    # expiry of common clients (httpx, and so the OpenAI and Anthropic Python SDKs: 5 s;
+    # Node's undici: 4 s; aiohttp: 15 s), so that the client ends an idle connection, not
+    # the gateway: a server that closes one just as the client reuses it loses that call.
+    keep_alive_s: Seconds = 75.0
+    # The request line and headers must arrive within this long of the connection's start
+    # (or of a later request's first byte): else 408, or a plain close if nothing came.
+    header_timeout_s: Seconds = 20.0
+    # The whole request body must arrive within this long of its headers: else 408.
+    body_timeout_s: Seconds = 60.0
+    # A client that reads nothing of its answer for this long (the gateway's write buffer to
+    # it stays full) is disconnected: its call is aborted upstream and in the policy.
+    send_timeout_s: Seconds = 30.0
+    # Open client connections (idle keep-alive ones included); a request on one past it
+    # gets 503 with Retry-After. Keep it under the process's descriptor limit, less the
+    # connections to the workers.
+    max_connections: Annotated[int, Field(ge=1)] = 2048
+    # The request line and headers together, in bytes, and the number of header fields:
+    # past either, 431.
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
+    max_headers: Annotated[int, Field(ge=1)] = 100
 
 
 class UpstreamConfig(_Strict):
@@ -83,6 +156,24 @@ class LimitsConfig(_Strict):
     retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 5
 
 
+class ClientsConfig(_Strict):
+    """Optional client API keys (controller/client_keys.py documents the keys' format). With
+    neither source set, clients need no key; with one, every client call must carry a key
+    (``Authorization: Bearer <key>`` or ``x-api-key: <key>``), else 401. Read at start-up."""
+
+    # A YAML (or JSON) file of the keys, name → key or name → {key, max_programs,
+    # max_held_calls}; a relative path is taken from the config file's folder.
+    keys_file: Path | None = None
+    # An environment variable that holds the same mapping as the file (both set: both are
+    # read, and no name may appear in both). A variable named here but unset stops the start.
+    keys_env: str | None = None
+    # Each key's own bounds, for a key that names none of its own, on top of ``limits:``:
+    # programs it owns at once and calls of it held at once (past either: 429). None: only
+    # ``limits:`` bounds the key.
+    max_programs: Annotated[int, Field(ge=1)] | None = None
+    max_held_calls: Annotated[int, Field(ge=1)] | None = None
+
+
 def _check_url(value: str, schemes: tuple[str, ...], what: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in schemes or not parts.netloc:
@@ -112,6 +203,53 @@ def _check_zmq_endpoint(value: str) -> str:
     return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
 
 
+class WorkerUrlsConfig(_Strict):
+    """Where workers may be (controller/worker_urls.py): every worker URL, from ``workers:``
+    and from ``POST /sluice/workers``, is ``scheme://HOST[:PORT]`` with one of ``schemes``,
+    and its host is named in ``hosts`` or lies (every address it resolves to) in one of
+    ``networks``. The default allows loopback and private networks, not link-local ones
+    (169.254.0.0/16, fe80::/10: cloud metadata services) nor public addresses."""
+
+    schemes: Annotated[list[Literal["http", "https"]], Field(min_length=1)] = list(DEFAULT_SCHEMES)
+    # Host names trusted as named, without resolving them (exact, case-insensitive): only
+    # names whose DNS you control.
+    hosts: list[Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]] = []
+    networks: list[IPvAnyNetwork] = [ipaddress.ip_network(n) for n in DEFAULT_NETWORKS]
+
+    def allow_list(self) -> UrlAllowList:
+        return UrlAllowList.of(self.schemes, self.hosts, self.networks)
+
+
+# A worker API key is sent in a header: printable ASCII without spaces, of a sane length.
+_API_KEY_MAX_CHARS = 4096
+
+
+def _checked_api_key(key: str, source: str) -> str:
+    if not key:
+        raise ConfigError(f"{source} is empty")
+    if len(key) > _API_KEY_MAX_CHARS:
+        raise ConfigError(f"{source} holds {len(key)} characters; an API key has at most "
+                          f"{_API_KEY_MAX_CHARS}")
+    if not all("!" <= ch <= "~" for ch in key):
+        # the key itself is not repeated: the message ends up in logs
+        raise ConfigError(f"{source} must hold one API key of printable ASCII without spaces")
+    return key
+
+
+class ZmqKeysConfig(_Strict):
+    """The gateway's CurveZMQ key pair (controller/zmq_keys.py): the ``NAME.key_secret``
+    file ``sluice keys`` writes (it holds the public key too). Workers accept the gateway
+    when its ``NAME.key`` is in their client keys directory."""
+
+    secret_key_file: Path
+
+    @field_validator("secret_key_file")
+    @classmethod
+    def _key_pair(cls, value: Path) -> Path:
+        load_key_pair(value)  # a ZmqKeyError (a ValueError) says what is wrong with it
+        return value
+
+
 class WorkerConfig(_Strict):
     """One engine behind the gateway (configs/example.yaml documents each key)."""
 
@@ -131,6 +269,51 @@ class WorkerConfig(_Strict):
     # policy's ordering does not reach this engine. Anthropic Messages calls never carry it:
     # vLLM 0.32's Messages route has no priority field.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # The worker's vLLM API key (its --api-key), sent as "Authorization: Bearer <key>" on
+    # every request to this worker and no other (calls, health checks, /metrics probes,
+    # /v1/models): the name of an environment variable that holds it, or a file whose
+    # content is it (one line). Never the key itself, so that no config or admin listing
+    # shows it. Read when the worker joins (the gateway starting, or the admin API).
+    api_key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    api_key_file: Path | None = None
+    # The worker's CurveZMQ public key (its NAME.key file): the gateway's directive, KV-event
+    # and replay sockets to this worker then authenticate it and themselves (needs zmq_keys).
+    zmq_server_key: Path | None = None
+
+    @field_validator("zmq_server_key")
+    @classmethod
+    def _public_key(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            load_public_key(value)  # a ZmqKeyError (a ValueError) says what is wrong with it
+        return value
+
+    @model_validator(mode="after")
+    def _one_api_key_source(self) -> WorkerConfig:
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("give the worker's API key by api_key_env or api_key_file, not both")
+        return self
+
+    def api_key(self, environ: dict[str, str] | None = None) -> str | None:
+        """The worker's API key, read now (None when it has none); a ConfigError that names
+        the key (``api_key_env`` or ``api_key_file``) and never the key's value."""
+        if self.api_key_env is not None:
+            env = os.environ if environ is None else environ
+            value = env.get(self.api_key_env)
+            if value is None:
+                raise ConfigError(f"api_key_env: the environment variable {self.api_key_env} "
+                                  "is not set")
+            return _checked_api_key(value, f"api_key_env: the environment variable "
+                                           f"{self.api_key_env}")
+        if self.api_key_file is not None:
+            source = f"api_key_file: {self.api_key_file}"
+            try:
+                with open(self.api_key_file, encoding="utf-8") as file:
+                    text = file.read(_API_KEY_MAX_CHARS + 2)  # a key, a newline, and one more
+            except (OSError, UnicodeDecodeError) as err:
+                reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+                raise ConfigError(f"{source}: cannot read ({reason})") from None
+            return _checked_api_key(text.rstrip("\r\n"), source)
+        return None
 
     @field_validator("name")
     @classmethod
@@ -162,6 +345,7 @@ class ServeConfig(_Strict):
     admin_token: Annotated[str, Field(min_length=8)] | None = None
     admin_token_env: str | None = DEFAULT_ADMIN_TOKEN_ENV
     max_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_BODY_BYTES
+    http: HttpConfig = HttpConfig()
     # One dynamo.request.trace.v1 request_end record per finished call (JSONL); opt-in.
     request_log: Path | None = None
     health_interval_s: Seconds = 5.0
@@ -177,9 +361,20 @@ class ServeConfig(_Strict):
     # here: "priority" (vLLM's scheduling priority, and vLLM's X-Vllm-Priority header: a
     # client's own value then goes as sent and wins over the policy's engine priority),
     # "vllm_xargs" (every key inside it) or
-    # "vllm_xargs.<key>" (that one key). Clients must not outrank the policy by default.
+    # "vllm_xargs.<key>" (that one key), and the keys of ENGINE_CONTROL_KEYS
+    # ("kv_transfer_params", "ec_transfer_params", "request_id"). Clients must not outrank
+    # the policy, nor steer the engine's KV transfers or request ids, by default.
     forward_client_keys: list[str] = []
+    # Client request headers forwarded to the workers; no other is. Names (any case), or
+    # prefixes ending in "*" ("x-trace-*"). The gateway sets what the worker needs itself
+    # (content-type, x-session-id; x-vllm-priority when forward_client_keys names priority;
+    # the worker's own Authorization when it has an API key, which replaces the client's).
+    # By default a client's Authorization, Cookie, x-api-key... stay at the gateway.
+    forward_client_headers: list[str] = []
+    # Where workers may be: schemes, trusted host names, networks (controller/worker_urls.py).
+    worker_urls: WorkerUrlsConfig = WorkerUrlsConfig()
     limits: LimitsConfig = LimitsConfig()
+    clients: ClientsConfig = ClientsConfig()
     # On SIGTERM/Ctrl-C: stop accepting, let calls in progress finish for this long, then
     # end what is left (a stream gets an SSE error event, a held call a 503). Long enough
     # for one agent turn by default.
@@ -195,6 +390,11 @@ class ServeConfig(_Strict):
     kv_events_queue: Annotated[int, Field(ge=1)] = 1000
     # Longest wait for each message of a replay answer before the repair gives up.
     kv_replay_timeout_s: Seconds = 2.0
+    # The gateway's CurveZMQ key pair, used with each worker that has a zmq_server_key.
+    zmq_keys: ZmqKeysConfig | None = None
+    # kv_events_bind may listen beyond loopback (tcp://*:5557) only when this is true: that
+    # socket has no CURVE yet, so anyone who reaches it can feed the index.
+    allow_insecure_bind: bool = False
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
     policy: AnyPolicyConfig = ProgramAwareConfig()
 
@@ -212,14 +412,64 @@ class ServeConfig(_Strict):
     @classmethod
     def _engine_keys(cls, keys: list[str]) -> list[str]:
         for key in keys:
-            if key in ("priority", "vllm_xargs"):
+            if key in ("priority", "vllm_xargs") or key in ENGINE_CONTROL_KEYS:
                 continue
             head, dot, sub = key.partition(".")
             if head == "vllm_xargs" and dot and sub:
                 continue
             raise ValueError(f"{key!r} is not an engine key Sluice strips; name \"priority\", "
-                             "\"vllm_xargs\" or \"vllm_xargs.<key>\"")
+                             "\"vllm_xargs\", \"vllm_xargs.<key>\" or one of "
+                             + ", ".join(f'"{k}"' for k in ENGINE_CONTROL_KEYS))
         return keys
+
+    @field_validator("forward_client_headers")
+    @classmethod
+    def _client_headers(cls, names: list[str]) -> list[str]:
+        lowered = []
+        for name in names:
+            lower = name.lower()
+            stem = lower[:-1] if lower.endswith("*") else lower
+            if not stem or not all(ch.isalnum() or ch in "-_." for ch in stem):
+                raise ValueError(f"{name!r} is not a header name (nor a prefix ending in *)")
+            if lower in GATEWAY_SET_HEADERS:
+                raise ValueError(f"{name!r} is set by the gateway itself and cannot be "
+                                 "forwarded from the client")
+            lowered.append(lower)
+        return lowered
+
+    @model_validator(mode="after")
+    def _workers_allowed(self) -> ServeConfig:
+        """Every configured worker URL is of a form and (when it is written as an IP
+        address) in a network ``worker_urls`` allows; host names are resolved and checked
+        when the workers join (controller/fleet.py), not here: validation also runs on a
+        hot reload, inside the event loop, which must not wait on DNS."""
+        allow = self.worker_urls.allow_list()
+        problems = []
+        for index, worker in enumerate(self.workers):
+            try:
+                allow.check_form(worker.url)
+            except WorkerUrlRefused as err:
+                problems.append(f"workers.{index}.url: {err}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _zmq_keys_given(self) -> ServeConfig:
+        """A worker's zmq_server_key needs the gateway's own key pair; kv_events_bind does
+        not listen beyond loopback unless allow_insecure_bind."""
+        if self.zmq_keys is None:
+            for index, worker in enumerate(self.workers):
+                if worker.zmq_server_key is not None:
+                    raise ValueError(f"workers.{index}.zmq_server_key: needs the gateway's own "
+                                     "key pair too (zmq_keys.secret_key_file)")
+        if self.kv_events_bind is not None:  # always bound (controller/subscriber.py)
+            check_bind(self.kv_events_bind, keyed=False, allow_insecure=self.allow_insecure_bind,
+                       setting="kv_events_bind",
+                       keys_hint="not yet available on kv_events_bind; connect to each worker's "
+                                 "kv_events instead",
+                       allow_hint="allow_insecure_bind: true")
+        return self
 
     @field_validator("kv_events_bind")
     @classmethod
@@ -244,9 +494,20 @@ class ServeConfig(_Strict):
         return self._path
 
     def resolved_admin_token(self, environ: dict[str, str] | None = None) -> str | None:
+        """The admin token: the ``admin_token_env`` variable's when it is set (and not
+        empty), else ``admin_token``. A ConfigError naming the variable when its token is
+        shorter than the 8 characters ``admin_token`` must have: the gateway refuses to
+        start rather than guard its admin API with a token that is easy to guess."""
         env = os.environ if environ is None else environ
         if self.admin_token_env and env.get(self.admin_token_env):
-            return env[self.admin_token_env]
+            token = env[self.admin_token_env]
+            if len(token) < 8:  # admin_token's own minimum (its Field's min_length)
+                # the token itself is not repeated: the message ends up in logs
+                raise ConfigError(
+                    f"the environment variable {self.admin_token_env} holds an admin token "
+                    f"of {len(token)} character(s); it needs at least 8 (set a longer one, "
+                    f"or unset {self.admin_token_env})")
+            return token
         return self.admin_token
 
 

@@ -22,7 +22,7 @@ from seq 0 by replay and repaired exactly like one in the config. :meth:`KvEvent
 is the bound socket's reader; the ZMQ context is made at the first socket and destroyed by
 :meth:`KvEventSubscriber.aclose`.
 
-The frames, the llm-d topics and the replay socket's protocol are controller/kv_wire.py's.
+The frames, topics, replay protocol and socket setup (size limit) are controller/kv_wire.py's.
 
 **Streams.** Sequence numbers count per publisher, and a data-parallel engine has one
 publisher per rank, so a stream is (worker, ``data_parallel_rank``). Its batches go to the
@@ -37,22 +37,23 @@ offset as vLLM offsets it for rank ``r`` (tcp port + r).
 
 **Reader → queue → applier.** A reader task per socket only splits frames, peeks the rank
 (without decoding the events) and puts the batch on its worker's queue, which holds at most
-``kv_events_queue`` batches. When it is full the batch is dropped and counted; the drop is
-then repaired like any other gap: by the next batch of that stream (its seq jumps), or,
-when no batch follows, as soon as the queue has drained. One applier task per worker decodes
-batches with :class:`~scheduler.kv_events.EventBatchDecoder` and feeds them, in seq order,
-to ``policy.observe_kv`` under the admission lock.
+``kv_events_queue`` batches and :data:`QUEUE_BYTES_LIMIT` bytes of them. When it is full the
+batch is dropped and counted; the drop is then repaired like any other gap: by the next batch
+of that stream (its seq jumps), or, when no batch follows, as soon as the queue has drained.
+One applier task per worker decodes batches with :class:`~scheduler.kv_events.EventBatchDecoder`
+and feeds them, in seq order, to ``policy.observe_kv`` under the admission lock.
 
 **Per batch of a stream** (``expected`` is the next seq the stream should carry):
 
 - ``seq == expected``: applied.
 - ``seq > expected`` (a gap: the network, the SUB's high-water mark or our queue dropped
   batches): the missing ``[expected, seq)`` are asked from the worker's replay socket
-  (controller/kv_wire.py :func:`~controller.kv_wire.replay_from`) and applied in order, then the batch itself. Replayed batches past the gap are read and
-  ignored: the queue still holds them, so nothing is applied twice and a lower seq can only
-  mean a restart. If the replay no longer starts at ``expected`` (its buffer moved on), has
-  no answer within ``kv_replay_timeout_s``, or the worker has no ``replay``, the worker's
-  index is reset and rebuilt from what the replay still holds and the events that follow.
+  (:func:`~controller.kv_wire.replay_from`) and applied in order, then the batch itself.
+  Replayed batches past the gap are read and ignored: the queue still holds them, so nothing
+  is applied twice and a lower seq can only mean a restart. If the replay no longer starts
+  at ``expected`` (its buffer moved on), has no answer within ``kv_replay_timeout_s``, or the
+  worker has no ``replay``, the worker's index is reset and rebuilt from what the replay
+  still holds and the events that follow.
 - ``seq < expected``, or a new publisher epoch: the engine restarted; the worker's index is
   reset and the new publisher's stream is caught up from seq 0 by replay. (vLLM's own
   publisher sends no epoch, so a restart whose first batch to arrive is already at or past
@@ -62,9 +63,11 @@ to ``policy.observe_kv`` under the admission lock.
   replay when its first batch is not seq 0 (Sluice started after the engine, or the SUB
   joined late): what the buffer still holds is applied, and nothing counts as lost, since
   the index holds nothing of that stream yet.
-- A batch that does not decode cannot be applied or repaired: the index is reset and
-  rebuilt from the next batch on. An event of a type Sluice does not know (a newer engine's)
-  is not a decode failure: it is skipped and counted, and the rest of its batch applied.
+- A message that does not decode is counted (``undecodable``) and dropped before its seq, rank
+  or epoch is trusted: no gap, no restart, no reset (if it was the engine's, the next batch
+  shows the gap). Only the replay's copy, the engine's own, not decoding loses the batch: a
+  reset (``undecodable``) unless the stream is fresh. An event of a type Sluice does not know
+  (a newer engine's) is not a decode failure: skipped and counted, the rest of its batch applied.
 
 When a ``f"{worker}#dp{r}"`` worker joins or leaves the fleet, that rank's stream moves to
 its new index key at its next batch and is caught up there from seq 0 by replay; the index
@@ -86,6 +89,8 @@ the gateway's event loop.
    (:meth:`KvEventSubscriber._repair`).
 3. No batch of a worker that left the fleet is applied (``Admission.observe_kv`` checks
    under the lock, and its stats are gone).
+4. A message that does not decode changes no stream and no index
+   (:meth:`KvEventSubscriber._handle`); only the replay's copy of a batch can (``_repair``).
 """
 
 from __future__ import annotations
@@ -102,17 +107,12 @@ import zmq
 import zmq.asyncio
 
 from controller.admission import Admission
-from controller.kv_wire import (
-    RankPeek,
-    ReplayError,
-    attach,
-    offset_endpoint,
-    publisher_epoch,
-    replay_from,
-    worker_from_topic,
-)
+from controller.kv_wire import (MAX_MESSAGE_BYTES, RankPeek, ReplayError, attach, offset_endpoint,
+                                prepare_socket, publisher_epoch, reconnect_when_lost, replay_from,
+                                worker_from_topic)
 from controller.serve_config import ServeConfig, WorkerConfig
-from scheduler.kv_events import EventBatchDecoder
+from controller.zmq_keys import GatewayZmqKeys
+from scheduler.kv_events import EventBatch, EventBatchDecoder
 
 RESET_REASONS = (
     "gap_beyond_replay",  # the replay buffer no longer holds the missing batches
@@ -120,11 +120,14 @@ RESET_REASONS = (
     "replay_failed",      # the replay socket did not answer (in time) or answered garbage
     "seq_backwards",      # the engine restarted (its seq started over)
     "epoch_changed",      # the engine restarted (a new publisher epoch)
-    "undecodable",        # a batch that cannot be decoded, so cannot be applied
+    "undecodable",        # the replay's copy of a missing batch does not decode: it is lost
     "subscriber_error",   # the applier failed mid-batch
     "rank_rerouted",      # a data-parallel rank's own worker joined: its blocks leave this index
 )
-IGNORE_REASONS = ("malformed", "unknown_topic", "worker_has_endpoint")
+IGNORE_REASONS = ("malformed", "unknown_topic", "worker_has_endpoint", "undecodable")
+# Bytes of batches a worker's queue may hold: well-behaved ones are KBs (``kv_events_queue``
+# binds first); this stops outsized frames from holding kv_events_queue × MAX_MESSAGE_BYTES.
+QUEUE_BYTES_LIMIT = 2 * MAX_MESSAGE_BYTES
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 # A loop that ran this long before failing starts over at the shortest backoff.
@@ -143,6 +146,7 @@ class KvEventStats:
     # events of a type this version does not know (a newer engine's), skipped; the rest of
     # their batch is applied
     events_skipped: int = 0
+    undecodable: int = 0  # batches (live or replayed) that do not decode, dropped
     resets: dict[str, int] = field(default_factory=dict)
     last_seq: dict[int, int] = field(default_factory=dict)  # rank -> seq last applied
 
@@ -179,6 +183,7 @@ class KvSource:
         self.hwm = hwm
         self.send, self.receive = anyio.create_memory_object_stream[tuple](max_buffer_size=hwm)
         self.enqueued = 0   # batches put on the queue so far (the next one's position)
+        self.queued_bytes = 0  # payload bytes of the batches on the queue now
         self.dropping = 0   # batches dropped since the queue last accepted one
         # rank -> (seq, queue position at the time) of the latest batch dropped
         self.drops: dict[int, tuple[int, int]] = {}
@@ -200,6 +205,7 @@ class KvEventSubscriber:
         self._bind = config.kv_events_bind
         self._queue_size = config.kv_events_queue
         self._replay_timeout_s = config.kv_replay_timeout_s
+        self._zmq_keys = GatewayZmqKeys(config)  # CURVE client keys, per worker
         self._decoder = EventBatchDecoder()
         self._peek = msgspec.msgpack.Decoder(RankPeek)
         self._sources: dict[str, KvSource] = {}
@@ -302,16 +308,19 @@ class KvEventSubscriber:
         assert source.worker.kv_events is not None
         socket = self._context().socket(zmq.SUB)
         try:
-            socket.setsockopt(zmq.LINGER, 0)
+            prepare_socket(socket, self._zmq_keys.client(source.worker))
             topic = source.worker.kv_topic or ""
             socket.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             endpoint = attach(socket, source.worker.kv_events)
-            self._log.info("subscribed to KV events", worker=source.name, endpoint=endpoint,
-                           topic=topic)
-            while True:
-                frames = await socket.recv_multipart()
-                self._accept(source, frames)
-                await anyio.lowlevel.checkpoint()  # a flood must not starve the gateway
+            log = self._log.bind(worker=source.name)
+            log.info("subscribed to KV events", endpoint=endpoint, topic=topic)
+            async with anyio.create_task_group() as tg:
+                if endpoint == source.worker.kv_events:  # connected, not bound
+                    tg.start_soon(reconnect_when_lost, socket, endpoint, log)
+                while True:
+                    frames = await socket.recv_multipart()
+                    self._accept(source, frames)
+                    await anyio.lowlevel.checkpoint()  # a flood must not starve the gateway
         finally:
             socket.close(linger=0)
 
@@ -319,7 +328,7 @@ class KvEventSubscriber:
         assert self._bind is not None
         socket = self._context().socket(zmq.SUB)
         try:
-            socket.setsockopt(zmq.LINGER, 0)
+            prepare_socket(socket)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.bind(self._bind)
             self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -343,19 +352,25 @@ class KvEventSubscriber:
             socket.close(linger=0)
 
     def _accept(self, source: KvSource, frames: list[bytes]) -> None:
-        """Queue one message of ``source``'s worker, or drop it when the queue is full."""
+        """Queue one message of ``source``'s worker; drop it (counted) when it does not decode
+        or the queue is full."""
         if len(frames) < 3 or len(frames[1]) != 8:
             self._ignore("malformed", worker=source.name, frames=len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
+        payload = frames[2]
         try:
-            rank = max(self._peek.decode(frames[2]).data_parallel_rank or 0, 0)
-        except msgspec.DecodeError:
-            rank = 0  # the applier cannot decode it either, and resets the index (counted)
+            rank = max(self._peek.decode(payload).data_parallel_rank or 0, 0)
+        except (msgspec.DecodeError, RecursionError) as err:  # the latter: nested too deep
+            self.stats[source.name].received += 1
+            self._undecodable(source.name, seq, err, replayed=False)
+            return
         stats = self.stats[self._index_key(source, rank)]
         stats.received += 1
         try:
-            source.send.send_nowait((seq, rank, frames[2], publisher_epoch(frames), source.enqueued))
+            if source.queued_bytes and source.queued_bytes + len(payload) > QUEUE_BYTES_LIMIT:
+                raise anyio.WouldBlock
+            source.send.send_nowait((seq, rank, payload, publisher_epoch(frames), source.enqueued))
         except anyio.WouldBlock:
             stats.dropped += 1
             source.drops[rank] = (seq, source.enqueued)
@@ -365,6 +380,7 @@ class KvEventSubscriber:
             source.dropping += 1
             return
         source.enqueued += 1
+        source.queued_bytes += len(payload)
         if source.dropping:
             self._log.info("KV-event queue accepts batches again", worker=source.name,
                            dropped=source.dropping)
@@ -375,17 +391,46 @@ class KvEventSubscriber:
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th ... of each kind
             self._log.warning("KV-event message ignored", reason=reason, count=n, **context)
 
+    def _undecodable(self, key: str, seq: int, err: Exception, replayed: bool) -> None:
+        """Count a batch of index key ``key`` that does not decode (its caller drops it)."""
+        if (stats := self.stats.get(key)) is not None:  # else its worker left the fleet
+            stats.undecodable += 1
+        self._ignore("undecodable", worker=key, seq=seq, replayed=replayed,
+                     problem=str(err)[:200])
+
+    def _decode(self, key: str, seq: int, payload: bytes, replayed: bool) -> EventBatch | None:
+        """The batch in ``payload``, or None (counted) when it does not decode."""
+        skipped_before = self._decoder.skipped_total
+        try:
+            batch = self._decoder.decode(payload)
+        except msgspec.DecodeError as err:
+            self._undecodable(key, seq, err, replayed)
+            return None
+        skipped = self._decoder.skipped_total - skipped_before
+        if skipped and (stats := self.stats.get(key)) is not None:
+            stats.events_skipped += skipped
+            if stats.events_skipped == skipped:  # the first
+                self._log.warning("Unknown KV event types skipped; the rest of each batch applied",
+                                  worker=key, seq=seq, types=sorted(self._decoder.skipped))
+        return batch
+
     # -- applying --------------------------------------------------------------------------
 
     async def _apply_loop(self, source: KvSource) -> None:
         while True:
             item = await source.receive.receive()
+            source.queued_bytes -= len(item[2])
             await self._handle(source, item)
             if source.drops and source.queued == 0:
                 await self._repair_drops(source)
 
     async def _handle(self, source: KvSource, item: tuple) -> None:
         seq, rank, payload, epoch, position = item
+        # Decoded first: an undecodable frame's seq, rank and epoch are not to be trusted; it
+        # must neither open a gap, nor look like a restart, nor make a stream (invariant 4).
+        batch = self._decode(self._index_key(source, rank), seq, payload, replayed=False)
+        if batch is None:
+            return
         stream = await self._stream(source, rank)
         self._take_pending(stream)
         if epoch is not None:
@@ -398,7 +443,7 @@ class KvEventSubscriber:
             self._forget_drops(source, rank, position)
         if seq > stream.expected:
             await self._repair(stream, seq - 1)
-        await self._apply(stream, seq, payload, replayed=False)
+        await self._apply(stream, seq, batch, replayed=False)
 
     async def _repair_drops(self, source: KvSource) -> None:
         """The queue has drained, but batches dropped at its end were never followed by one
@@ -431,8 +476,9 @@ class KvEventSubscriber:
                 await self._reset(stream, "no_replay", needed=needed, upto=upto)
         else:
             try:
+                keys = self._zmq_keys.client(self._workers.get(stream.index_key))
                 async with replay_from(self._context(), stream.replay, needed,
-                                       self._replay_timeout_s) as next_batch:
+                                       self._replay_timeout_s, keys) as next_batch:
                     while (got := await next_batch()) is not None:
                         seq, payload = got
                         if seq > upto:
@@ -444,7 +490,13 @@ class KvEventSubscriber:
                                 await self._reset(stream, "gap_beyond_replay", needed=stream.expected,
                                                   first_replayed=seq)
                             stream.expected = seq
-                        await self._apply(stream, seq, payload, replayed=True)
+                        batch = self._decode(stream.index_key, seq, payload, replayed=True)
+                        if batch is None:  # the engine's own copy: the batch is lost (invariant 2)
+                            if not stream.fresh:
+                                await self._reset(stream, "undecodable", seq=seq)
+                            stream.expected = seq + 1
+                            continue
+                        await self._apply(stream, seq, batch, replayed=True)
             except ReplayError as err:
                 problem = str(err)
                 if not stream.fresh:
@@ -467,25 +519,10 @@ class KvEventSubscriber:
             self._log.debug("KV-event gap repaired from replay", worker=stream.index_key,
                             rank=stream.rank, from_seq=needed, to_seq=upto)
 
-    async def _apply(self, stream: _Stream, seq: int, payload: bytes, replayed: bool) -> None:
+    async def _apply(self, stream: _Stream, seq: int, batch: EventBatch, replayed: bool) -> None:
         stats = self.stats.get(stream.index_key)
         if stats is None:
             return  # its index key left the fleet: the stream moves on at its next batch
-        skipped_before = self._decoder.skipped_total
-        try:
-            batch = self._decoder.decode(payload)
-        except msgspec.DecodeError as err:
-            await self._reset(stream, "undecodable", seq=seq, problem=str(err))
-            stream.expected = seq + 1
-            return
-        skipped = self._decoder.skipped_total - skipped_before
-        if skipped:
-            before = stats.events_skipped
-            stats.events_skipped += skipped
-            if before == 0:
-                self._log.warning("KV events of unknown types skipped (the rest of each batch is "
-                                  "applied)", worker=stream.index_key, seq=seq,
-                                  types=sorted(self._decoder.skipped))
         # Every policy call runs under the admission lock (a batch is applied whole,
         # between two other policy calls).
         if not await self._admission.observe_kv(stream.index_key, batch):

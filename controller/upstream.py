@@ -2,12 +2,18 @@
 
 - :class:`UpstreamPool`: per worker, the relay's keep-alive pool
   (:mod:`controller.relay_client`) and an httpx client for health, capacity and models.
-- :func:`forward_headers`: the client's headers minus hop-by-hop ones (and any header the
-  client's ``Connection`` names) and vLLM's ``X-Vllm-Priority`` (unless the client's priority
-  is forwarded), ``X-Session-ID`` set, ``Accept-Encoding: identity`` so what comes back can
-  be passed on byte for byte.
-- :func:`strip_client_engine_keys`: the client's ``priority`` and ``vllm_xargs`` keys dropped
-  unless the config's ``forward_client_keys`` names them.
+- :func:`forward_headers`: only the client headers ``forward_client_headers`` names (none by
+  default: a client's ``Authorization``, ``Cookie``, ``x-api-key`` are the gateway's to read,
+  not a worker's), less hop-by-hop ones (and any the client's ``Connection`` names);
+  vLLM's ``X-Vllm-Priority`` only when the client's priority is forwarded; ``Content-Type:
+  application/json`` (the body is the gateway's own encoding), ``X-Session-ID`` and
+  ``Accept-Encoding: identity`` (so what comes back can be passed on byte for byte) set.
+  A worker with an API key gets its own ``Authorization`` from its connections
+  (:class:`UpstreamPool`), in place of any the client's.
+- :func:`strip_client_engine_keys`: the client's ``priority``, ``vllm_xargs`` and engine-control
+  keys (``kv_transfer_params``, ``ec_transfer_params``, ``request_id``:
+  controller/serve_config.py ``ENGINE_CONTROL_KEYS``) dropped unless the config's
+  ``forward_client_keys`` names them.
 - :func:`prepare_body`: ``session_id`` and ``vllm_xargs.continuation_id`` set; a stream whose
   client did not ask for usage asks for it (the gateway drops that chunk again).
 - :func:`sends_engine_priority` / :func:`with_engine_priority`: whether a call gets the
@@ -15,7 +21,8 @@
   encoded body with it spliced in once the call is admitted (the body is encoded before
   admission; it is not encoded again).
 - :func:`open_upstream`: sends, maps transport failures and 5xx to :class:`GatewayError`
-  (:class:`WorkerUnreachable` when the call was never sent).
+  (:class:`WorkerUnreachable` when the call was never sent; a 503 that blames no worker when
+  the gateway itself ran out of descriptors, buffers or memory, :func:`transport_error`).
 
 What comes back (usage, a Responses id, the answer) is read by controller/worker_answers.py.
 """
@@ -28,7 +35,13 @@ from typing import Any
 
 import httpx
 
-from controller.errors import UPSTREAM, UPSTREAM_TIMEOUT, GatewayError
+from controller.errors import (
+    UPSTREAM,
+    UPSTREAM_TIMEOUT,
+    GatewayError,
+    local_shortage,
+    out_of_local_resources,
+)
 from controller.relay_client import (
     ConnectError,
     ConnectTimeout,
@@ -37,17 +50,21 @@ from controller.relay_client import (
     TransportError,
     WorkerConnections,
 )
-from controller.serve_config import UpstreamConfig, WorkerConfig
+from controller.serve_config import ENGINE_CONTROL_KEYS, UpstreamConfig, WorkerConfig
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
 # Not hop-by-hop, but replaced: the gateway sets them itself.
-_REPLACED = frozenset({"accept-encoding", "x-session-id"})
+_REPLACED = frozenset({"accept-encoding", "x-session-id", "content-type"})
 # The same, as the bytes header names arrive in (compared without decoding them per call).
 _NOT_FORWARDED = frozenset(name.encode() for name in HOP_BY_HOP | _REPLACED)
 _IDENTITY_ENCODING = (b"accept-encoding", b"identity")
+# The body the gateway sends is its own JSON encoding, whatever the client's said; vLLM
+# refuses a call whose media type is not application/json (entrypoints/serve/utils/
+# api_utils.py validate_json_request).
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 # vLLM 0.32 reads a request's priority from this header before its body's ``priority``
 # (entrypoints/generate/base/serving.py ``_get_priority``): the client's priority by another
 # road, dropped like the body key.
@@ -57,25 +74,48 @@ USAGE_CHUNK_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ERROR_SNIPPET_BYTES = 2048
 
 
+class ClientHeaders:
+    """Which client headers go to the workers: the names and ``*`` prefixes of
+    ``forward_client_headers`` (lower case), and vLLM's priority header when the client's
+    priority is forwarded (``client_priority``)."""
+
+    __slots__ = ("names", "prefixes")
+
+    def __init__(self, named: Iterable[str] = (), client_priority: bool = False) -> None:
+        named = [n.lower() for n in named]
+        self.names = frozenset(n.encode("latin-1") for n in named if not n.endswith("*"))
+        if client_priority:
+            self.names |= {PRIORITY_HEADER}
+        self.prefixes = tuple(n[:-1].encode("latin-1") for n in named if n.endswith("*"))
+
+    def allows(self, lower: bytes) -> bool:
+        return lower in self.names or (bool(self.prefixes) and lower.startswith(self.prefixes))
+
+
+NO_CLIENT_HEADERS = ClientHeaders()
+
+
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], session_id: str,
-                    client_priority: bool = False) -> list[tuple[bytes, bytes]]:
-    """The client's headers as the worker should see them (``raw`` as ASGI gives them).
-    ``client_priority``: ``forward_client_keys`` names ``priority``, so vLLM's priority header
-    goes through too."""
+                    client_headers: ClientHeaders = NO_CLIENT_HEADERS) -> list[tuple[bytes, bytes]]:
+    """The headers the worker gets (``raw``: the client's, as ASGI gives them): those of the
+    client that ``client_headers`` allows, less hop-by-hop ones and any the client's
+    ``Connection`` names, then the gateway's own."""
     out: list[tuple[bytes, bytes]] = []
     named_by_connection: set[bytes] | None = None
     for name, value in raw:
         lower = name.lower()
-        if (lower in _NOT_FORWARDED or lower.startswith(b"proxy-")
-                or (lower == PRIORITY_HEADER and not client_priority)):
-            if lower == b"connection":
-                named_by_connection = named_by_connection or set()
-                named_by_connection.update(
-                    token.strip().lower() for token in value.split(b",") if token.strip())
+        if lower == b"connection":
+            named_by_connection = named_by_connection or set()
+            named_by_connection.update(
+                token.strip().lower() for token in value.split(b",") if token.strip())
+            continue
+        if (not client_headers.allows(lower) or lower in _NOT_FORWARDED
+                or lower.startswith(b"proxy-")):
             continue
         out.append((name, value))
     if named_by_connection:
         out = [pair for pair in out if pair[0].lower() not in named_by_connection]
+    out.append(_JSON_CONTENT_TYPE)
     out.append((b"x-session-id", session_id.encode("latin-1")))
     out.append(_IDENTITY_ENCODING)
     return out
@@ -106,13 +146,17 @@ ENGINE_PRIORITY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "
 
 
 def strip_client_engine_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
-    """Drop (in place) the client's ``priority`` and ``vllm_xargs`` keys that ``allowed``
-    (``ServeConfig.forward_client_keys``) does not name: they steer the engine's scheduler
-    and cache reports, which are the policy's to decide. ``vllm_xargs`` in ``allowed`` keeps
+    """Drop (in place) the client's ``priority``, ``vllm_xargs`` and engine-control keys
+    (``ENGINE_CONTROL_KEYS``) that ``allowed`` (``ServeConfig.forward_client_keys``) does not
+    name: they steer the engine's scheduler, cache reports, KV transfers and request ids,
+    which are the gateway's and the policy's to decide. ``vllm_xargs`` in ``allowed`` keeps
     the whole object; ``vllm_xargs.<key>`` keeps that key. The client's ``vllm_xargs`` dict
     is replaced, never mutated (it may be shared with the parsed body)."""
     if PRIORITY_KEY in body and PRIORITY_KEY not in allowed:
         del body[PRIORITY_KEY]
+    for key in ENGINE_CONTROL_KEYS:
+        if key in body and key not in allowed:
+            del body[key]
     xargs = body.get(VLLM_XARGS_KEY)
     if not isinstance(xargs, dict) or VLLM_XARGS_KEY in allowed:
         return
@@ -174,6 +218,12 @@ class UpstreamPool:
       by ``upstream.max_connections`` / ``max_keepalive_connections``.
     - :meth:`client`: one :class:`httpx.AsyncClient` per worker for the rare control calls
       (health, capacity, models), where httpx's convenience costs nothing that matters.
+
+    A worker with an API key (``api_key_env`` / ``api_key_file``, read by :meth:`add`) gets
+    ``Authorization: Bearer <key>`` on every request of both, and no other worker gets it.
+    vLLM 0.32 checks it only under /v1, /v2, /inference and /cohere (entrypoints/serve/
+    middleware/authenticate.py ``GUARDED_PREFIX``): calls and /v1/models, not /health nor
+    /metrics; it is sent on those too, for a proxy in front of the engine that guards all.
     """
 
     def __init__(self, workers: Iterable[WorkerConfig], config: UpstreamConfig) -> None:
@@ -198,16 +248,21 @@ class UpstreamPool:
             self.add(worker)
 
     def add(self, worker: WorkerConfig) -> None:
+        """Open ``worker``'s connections; its API key is read now (a ConfigError naming
+        ``api_key_env`` or ``api_key_file`` when it cannot be)."""
         if worker.name in self._workers:
             raise ValueError(f"upstream: a worker named {worker.name!r} exists already")
+        api_key = worker.api_key()
+        authorization = None if api_key is None else f"Bearer {api_key}"
         # trust_env=False: workers are internal addresses; a proxy from the environment
         # (HTTP_PROXY) must not sit between the gateway and its engines.
         client = httpx.AsyncClient(
             base_url=worker.url, timeout=self._timeout, trust_env=False, follow_redirects=False,
             limits=httpx.Limits(max_connections=8, max_keepalive_connections=2),
+            headers=None if authorization is None else {"Authorization": authorization},
         )
         self._workers[worker.name] = _WorkerUpstream(
-            client, WorkerConnections(worker.url, self._limits),
+            client, WorkerConnections(worker.url, self._limits, authorization),
             worker.scheduling_policy == "priority")
 
     async def remove(self, name: str) -> None:
@@ -261,7 +316,14 @@ class WorkerUnreachable(GatewayError):
 
 def transport_error(worker: str, err: TransportError, mid_stream: bool = False) -> GatewayError:
     """A failure to talk to ``worker`` as the client should see it (502 or 504); a
-    :class:`WorkerUnreachable` when the request provably never left."""
+    :class:`WorkerUnreachable` when the request provably never left; a 503 that blames no
+    worker when the gateway itself ran out of descriptors, buffers or memory."""
+    shortage = local_shortage(err)
+    if shortage is not None:
+        # The gateway's own shortage (say EMFILE on connect): the worker is not down, and
+        # placing the call elsewhere would fail the same way, so neither happens.
+        doing = f"talking to worker {worker}" if err.sent else f"connecting to worker {worker}"
+        return out_of_local_resources(doing, shortage)
     detail = str(err) or type(err).__name__
     if err.timeout:
         status, type_ = 504, UPSTREAM_TIMEOUT

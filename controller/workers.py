@@ -10,11 +10,17 @@
   after ``unhealthy_after`` failures in a row the worker is marked down in the policy (its
   programs are re-homed), and up again at its first good answer. A refused connection on a
   call takes it down at once (:meth:`WorkerRegistry.mark_unreachable`).
+- The gateway's own shortages: a check or probe that fails because the gateway ran out of
+  descriptors, socket buffers or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) was not made, and
+  is not counted against the worker; it is logged once per spell and counted in
+  ``local_shortages``.
 - Mode: serving, draining or asleep, as the operator sets it (:meth:`WorkerRegistry.set_mode`).
 
 The registry's per-worker :meth:`~WorkerRegistry.add` and :meth:`~WorkerRegistry.remove`
 only enter and drop the state; a worker's health and capacity loops run among its tasks in
-the fleet (controller/fleet.py), which adds and removes workers as one operation each.
+the fleet (controller/fleet.py), which adds and removes workers as one operation each. The
+loops also end by themselves once their worker's state has left the registry, so that none
+can outlive its worker (and probe a connection pool it no longer has).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import anyio
 import httpx
 
 from controller.admission import Admission
+from controller.errors import describe_shortage, local_shortage
 from controller.serve_config import ServeConfig, WorkerConfig
 from controller.upstream import UpstreamPool
 
@@ -123,6 +130,11 @@ class WorkerState:
     last_error: str | None = None
     last_check_unix: float | None = None
     capacity_error: str | None = None
+    # checks and probes not made because the gateway ran out of descriptors, buffers or
+    # memory (none of them counts against the worker), and the shortage of the last one
+    # (None once one is made again)
+    local_shortages: int = 0
+    local_shortage: str | None = None
 
 
 class WorkerRegistry:
@@ -185,9 +197,20 @@ class WorkerRegistry:
 
     # -- capacity ----------------------------------------------------------------------
 
+    def _registered(self, state: WorkerState) -> bool:
+        """Whether ``state`` is still its worker's (not removed, nor replaced by a worker
+        added again under the same name)."""
+        return self.states.get(state.name) is state
+
     async def learn_capacity(self, state: WorkerState) -> None:
-        """Probe the worker's ``/metrics`` every ``capacity_retry_s`` until its capacity is known."""
+        """Probe the worker's ``/metrics`` every ``capacity_retry_s`` until its capacity is
+        known, or until the worker has left."""
         while state.capacity_tokens is None:
+            if not self._registered(state):
+                # The fleet stops a worker's tasks before it leaves; a probe loop that gets
+                # here was not stopped, and ends rather than probe a pool without its worker.
+                self._log.warning("capacity probe of a removed worker ended", worker=state.name)
+                return
             try:
                 if await self.probe_capacity(state):
                     return
@@ -202,35 +225,67 @@ class WorkerRegistry:
             response.raise_for_status()
             capacity = capacity_from_metrics(response.text)
         except (httpx.HTTPError, CapacityUnknown) as err:
+            shortage = local_shortage(err)
+            if shortage is not None:
+                self._note_local_shortage(state, "capacity probe", shortage)
+                return False
+            self._local_shortage_over(state)
             problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             if problem != state.capacity_error:
                 self._log.warning("worker capacity unknown; retrying", worker=state.name,
                                   problem=problem, retry_s=self._config.capacity_retry_s)
             state.capacity_error = problem
             return False
+        self._local_shortage_over(state)
         await self._admission.set_capacity(state.name, capacity)
         state.capacity_tokens, state.capacity_source, state.capacity_error = capacity, "metrics", None
         self._log.info("worker capacity known", worker=state.name, capacity_tokens=capacity)
         return True
 
+    # -- the gateway's own shortages ---------------------------------------------------
+
+    def _note_local_shortage(self, state: WorkerState, check: str, shortage: OSError) -> None:
+        """``check`` of ``state``'s worker was not made for want of the gateway's own
+        resources: counted, and logged at the start of each spell (with every worker's
+        checks failing alike, one line each per check would flood the log)."""
+        problem = describe_shortage(shortage)
+        state.local_shortages += 1
+        if state.local_shortage is None:
+            self._log.warning("check not made: the gateway is out of local resources; "
+                              "not counted against the worker", worker=state.name, check=check,
+                              problem=problem)
+        state.local_shortage = problem
+
+    def _local_shortage_over(self, state: WorkerState) -> None:
+        """A check of ``state``'s worker was made again: a spell of shortage is over."""
+        if state.local_shortage is not None:
+            self._log.info("checks made again: the gateway has its local resources back",
+                           worker=state.name, missed=state.local_shortages)
+            state.local_shortage = None
+
     # -- health ------------------------------------------------------------------------
 
     async def watch_health(self, state: WorkerState, first_check_after_s: float = 0.0) -> None:
-        """Check the worker's ``/health`` every ``health_interval_s`` until cancelled; a
-        check that fails in itself (not the worker) is logged and the next one goes ahead."""
+        """Check the worker's ``/health`` every ``health_interval_s`` until cancelled (or
+        until the worker has left); a check that fails in itself (not the worker) is logged
+        and the next one goes ahead."""
         await anyio.sleep(first_check_after_s)
-        while True:
+        while self._registered(state):
             try:
                 await self.check_health(state)
             except Exception:
                 self._log.exception("health check failed", worker=state.name)
             await anyio.sleep(self._config.health_interval_s)
+        # as in learn_capacity: the fleet should have stopped this loop when the worker left
+        self._log.warning("health checks of a removed worker ended", worker=state.name)
 
     async def mark_unreachable(self, worker: str, problem: str) -> None:
         """A call found the worker refusing connections: take it out now rather than after
         ``unhealthy_after`` failed checks (calls keep arriving meanwhile). The health loop
         brings it back once ``/health`` answers again."""
-        state = self.states[worker]
+        state = self.states.get(worker)
+        if state is None:
+            return  # removed since the call was refused: nothing left to take out
         state.failures = max(state.failures, self._config.unhealthy_after)
         state.last_error = problem
         if not state.healthy:
@@ -245,14 +300,22 @@ class WorkerRegistry:
         client = self._pool.client(state.name)
         timeout = min(self._config.health_interval_s, HEALTH_TIMEOUT_CAP_S)
         problem: str | None = None
+        shortage: OSError | None = None
         try:
             response = await client.get("/health", timeout=timeout)
             if response.status_code != 200:
                 problem = f"/health answered {response.status_code}"
         except httpx.HTTPError as err:
             problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        if self.states.get(state.name) is not state:
+            shortage = local_shortage(err)
+        if not self._registered(state):
             return  # removed while its check ran
+        if shortage is not None:
+            # The gateway could not make the check (say EMFILE): it says nothing of the
+            # worker, whose health stays as the last check made found it.
+            self._note_local_shortage(state, "health check", shortage)
+            return
+        self._local_shortage_over(state)
         state.last_check_unix = self._wall()
         serving = state.mode is WorkerMode.SERVING  # else the policy has it out already
         if problem is None:

@@ -1,6 +1,6 @@
 """The ``sluice`` command line.
 
-``check-config``, ``policies``, ``demo``, ``serve`` (the gateway) and the simulator's
+``check-config``, ``policies``, ``demo``, ``serve`` (the gateway), ``keys`` and the simulator's
 commands (registered from ``entry.sim_commands``).
 """
 
@@ -195,6 +195,27 @@ def top(
         raise usage_error(str(err)) from None
     except KeyboardInterrupt:
         pass
+
+
+@app.command(
+    "keys",
+    help="Write a CurveZMQ key pair: DIR/NAME.key (public: give it to the other side) and "
+    "DIR/NAME.key_secret (secret, mode 0600: the gateway's zmq_keys.secret_key_file, a "
+    "simworker's --zmq-secret-key-file, the plugin's SLUICE_ZMQ_SECRET_KEY_FILE). A server "
+    "accepts the clients whose NAME.key is in its client keys directory.",
+)
+def keys(
+    directory: Path = typer.Argument(..., help="Where to write the files (made if missing).",
+                                     metavar="DIR"),
+    name: str = typer.Option(..., "--name", help="The files' name, e.g. gateway or worker0."),
+) -> None:
+    from controller.zmq_keys import ZmqKeyError, write_key_pair
+
+    try:
+        public, secret = write_key_pair(directory, name)
+    except (ZmqKeyError, OSError) as err:
+        raise usage_error(str(err)) from None
+    typer.echo(f"public key: {public}\nsecret key: {secret} (mode 0600)")
 
 
 def _register_simulator_commands() -> None:

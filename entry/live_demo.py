@@ -110,6 +110,9 @@ class Fleet:
                 "--kv-events", f"tcp://*:{events}", "--time-scale", str(setup.time_scale),
                 "--prefill-scale", str(setup.prefill_scale),
                 "--directives", f"tcp://*:{directives}",
+                # a fixed port binds on every interface (vLLM's rule: only "*" binds); the
+                # demo's sockets carry simulated sessions only, so no keys are made for it
+                "--allow-insecure-bind",
                 # the engine queue ordered by the policy's priority, as the simulator orders it
                 "--scheduling-policy", "priority",
                 "--name", f"w{i}", *setup.simworker_args,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -42,9 +44,11 @@ def simworker(
                                          help="KV blocks, null block included (vLLM's num_gpu_blocks); "
                                               "default: the preset's KV pool."),
     block_size: int = typer.Option(16, "--block-size", min=1, help="KV block size in tokens."),
-    kv_events: str = typer.Option("tcp://*:5557", "--kv-events",
-                                  help="ZMQ PUB endpoint for KV events; bound if it holds '*' or '::' "
-                                       "(e.g. tcp://*:5557), else connected to, as in vLLM."),
+    kv_events: Optional[str] = typer.Option(
+        None, "--kv-events",
+        help="ZMQ PUB endpoint for KV events; bound if it holds '*' or '::' (e.g. tcp://*:5557, "
+             "which needs keys or --allow-insecure-bind) or is ipc://, else connected to, as in "
+             "vLLM. Default: ipc://<temp dir>/sluice-simworker-<port>-kv (a 0600 file)."),
     replay: Optional[str] = typer.Option(None, "--replay",
                                          help="ZMQ ROUTER endpoint answering replay requests."),
     directives: Optional[str] = typer.Option(
@@ -82,6 +86,18 @@ def simworker(
         None, "--sampling-seed",
         help="Seed of the worker's sampling (replies to requests without a seed or temperature 0); "
              "default: fresh entropy."),
+    zmq_secret_key_file: Optional[str] = typer.Option(
+        None, "--zmq-secret-key-file",
+        help="This worker's CurveZMQ key pair (a NAME.key_secret file from `sluice keys`): the "
+             "KV-event, replay and directive sockets become CURVE servers. Needs "
+             "--zmq-client-keys-dir."),
+    zmq_client_keys_dir: Optional[str] = typer.Option(
+        None, "--zmq-client-keys-dir",
+        help="Directory of the client public keys (NAME.key) the sockets accept: the gateway's."),
+    allow_insecure_bind: bool = typer.Option(
+        False, "--allow-insecure-bind",
+        help="Let a socket without keys listen beyond loopback (e.g. tcp://*:5557): anyone who "
+             "reaches it can read KV events or push directives."),
 ) -> None:
     """Serve the OpenAI API, /metrics and vLLM-format KV events from the simulated engine."""
     step_time = step_time_model(preset, preset_file)
@@ -89,8 +105,11 @@ def simworker(
         raise usage_error(f"--time-scale must be > 0, got {time_scale}")
     if not prefill_scale > 0:
         raise usage_error(f"--prefill-scale must be > 0, got {prefill_scale}")
+    if kv_events is None:
+        # private to this machine's user by default: a bound ipc:// file is made 0600
+        kv_events = f"ipc://{Path(tempfile.gettempdir()) / f'sluice-simworker-{port}-kv'}"
     if not kv_events:
-        raise usage_error("--kv-events needs an endpoint such as tcp://*:5557")
+        raise usage_error("--kv-events needs an endpoint such as ipc:///tmp/w0-kv")
     if scheduling_policy not in ("fcfs", "priority"):
         raise usage_error(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
 
@@ -98,13 +117,19 @@ def simworker(
 
     from simworker.worker import SimWorkerConfig, create_app
 
-    config = SimWorkerConfig(name=name, model=model, preset=step_time, num_blocks=blocks,
-                             block_size=block_size, kv_events=kv_events, replay=replay or None,
-                             directives=directives or None,
-                             topic=topic, time_scale=time_scale, prefill_scale=prefill_scale,
-                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             scheduling_policy=scheduling_policy, tool_call_turns=tool_call_turns,
-                             sampling_seed=sampling_seed)
+    try:
+        config = SimWorkerConfig(name=name, model=model, preset=step_time, num_blocks=blocks,
+                                 block_size=block_size, kv_events=kv_events, replay=replay or None,
+                                 directives=directives or None,
+                                 topic=topic, time_scale=time_scale, prefill_scale=prefill_scale,
+                                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                 scheduling_policy=scheduling_policy,
+                                 tool_call_turns=tool_call_turns, sampling_seed=sampling_seed,
+                                 zmq_secret_key_file=zmq_secret_key_file,
+                                 zmq_client_keys_dir=zmq_client_keys_dir,
+                                 allow_insecure_bind=allow_insecure_bind)
+    except ValueError as err:
+        raise usage_error(str(err)) from None
     _configure_logging()
     origin = f" from {preset_file}" if preset_file is not None else ""
     typer.echo(f"simworker {name}: http://{host}:{port} model {model}, preset {step_time.name}"

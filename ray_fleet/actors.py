@@ -136,6 +136,10 @@ class SimWorkerActor:
         if owned:
             raise ValueError(f"the simworker actor sets {', '.join(owned)} itself")
         self._host = host or node_address()
+        # The gateway reaches the actor from another node, so its sockets listen on every
+        # interface: authenticated when settings give zmq_secret_key_file and
+        # zmq_client_keys_dir, else allowed as before unless settings say otherwise.
+        settings.setdefault("allow_insecure_bind", "zmq_secret_key_file" not in settings)
         config = SimWorkerConfig(name=name, kv_events=ANY_ZMQ_PORT, replay=ANY_ZMQ_PORT,
                                  directives=ANY_ZMQ_PORT, **settings)
         app = create_simworker_app(config)

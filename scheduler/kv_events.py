@@ -94,19 +94,27 @@ class EventBatchDecoder:
         self.skipped_total = 0
 
     def decode(self, payload: bytes) -> EventBatch:
+        """The batch in ``payload``; raises :class:`msgspec.DecodeError` for anything that is
+        not one, nesting too deep to decode included (msgspec raises RecursionError for that,
+        which callers would take for a bug of their own rather than bad input)."""
         try:
-            return self._decoder.decode(payload)
-        except msgspec.ValidationError as err:
-            return self._decode_skipping_unknown(payload, err)
+            try:
+                return self._decoder.decode(payload)
+            except msgspec.ValidationError as err:
+                return self._decode_skipping_unknown(payload, err)
+        except RecursionError as err:
+            raise msgspec.DecodeError(f"nested too deep to decode: {err}") from err
 
     def _decode_skipping_unknown(self, payload: bytes, err: msgspec.ValidationError) -> EventBatch:
         raw = msgspec.msgpack.decode(payload)
         if not (isinstance(raw, list) and len(raw) in (2, 3) and isinstance(raw[1], list)):
             raise err
-        unknown = [e.get("type") for e in raw[1]
-                   if isinstance(e, dict) and e.get("type") not in _KNOWN_TYPES]
-        if not unknown or any(not isinstance(kind, str) for kind in unknown):
-            raise err  # the failure is elsewhere (a known event breaks its schema, a bad tag)
+        tags = [e.get("type") for e in raw[1] if isinstance(e, dict)]
+        if any(not isinstance(tag, str) for tag in tags):
+            raise err  # a tag that is no string (a list, a map: unhashable) is a bad tag
+        unknown = [tag for tag in tags if tag not in _KNOWN_TYPES]
+        if not unknown:
+            raise err  # the failure is elsewhere (a known event breaks its schema)
         raw[1] = [e for e in raw[1] if not (isinstance(e, dict) and e.get("type") not in _KNOWN_TYPES)]
         batch = msgspec.convert(raw, EventBatch)
         for kind in unknown:

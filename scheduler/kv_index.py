@@ -45,8 +45,9 @@ holes, each chain is walked once between changes to them (cached per block).
 Media. vLLM publishes its host tier's events (CPU offloading, ``medium="CPU"``) on the same
 stream as the GPU pool's (``"GPU"``, or no medium from engines that predate media). The two are
 kept apart: :class:`WorkerKV` is the GPU alone (every query above, and so ``U``, counts GPU KV
-only), and :class:`HostKV` holds what the worker's host tier holds, per session. A hash can be
-in both; a CPU removal never touches the GPU side and a GPU removal never the CPU side.
+only), and :class:`~scheduler.kv_host.HostKV` (scheduler/kv_host.py) holds what the worker's
+host tier holds, per session. A hash can be in both; a CPU removal never touches the GPU side
+and a GPU removal never the CPU side.
 ``AllBlocksCleared`` clears the GPU pool (vLLM's ``reset_prefix_cache``); the host tier's
 holdings go only with its own removals or :meth:`KVIndex.reset_worker`.
 
@@ -55,12 +56,26 @@ knew; a removed unknown hash adds none (it covered at most a block, but how much
 ``num_tokens`` is its end position, not its size) and counts in ``unknown_removals``;
 ``attributed_removals`` counts removed hashes that carried a continuation. Clears and resets
 are not evictions and count nothing. These counters survive clears and resets.
+
+Bound. An engine never holds more blocks than its pool, but its event stream cannot prove
+that it is the engine's: forged or broken input could grow a worker's index without end. Once
+its capacity is known (:meth:`KVIndex.set_capacity`), each side of a worker's index holds at
+most a multiple of the blocks that capacity makes (:data:`GPU_BOUND_FACTOR`,
+:data:`HOST_BOUND_FACTOR`), in the engine's block size when the caller knows it, else in
+:data:`BOUND_BLOCK_TOKENS`-token blocks; never in the sizes the events claim, which could
+stretch it. Past it, the oldest stored blocks are dropped as a removal would drop them (holes
+and all), counted in ``overflow_dropped``, not as evictions: the index then under-reports,
+never over. A store of more blocks than an eighth of the bound is applied in parts, shedding
+between them, so that no single event overshoots. The checks are two length comparisons per
+store, so a well-behaved stream, which stays far below the bound, pays nothing else.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
+
+import msgspec
 
 from scheduler.kv_events import (
     MEDIUM_CPU,
@@ -72,6 +87,20 @@ from scheduler.kv_events import (
     KVEvent,
     block_token_counts,
 )
+from scheduler.kv_host import SHED_FRACTION, HostKV, oldest_over_bound
+
+# The bound ("Bound" above) in blocks of this many tokens unless the engine's block size is
+# given: vLLM's default block size, and the smallest its GPU attention backends commonly run.
+BOUND_BLOCK_TOKENS = 16
+# The GPU side holds at most this many times the blocks of its capacity. A well-behaved stream
+# stays at or under 1 times; the margin is for a capacity configured below the real pool,
+# blocks whose removal was lost until the next reset, and smaller blocks (a pool of 8-token
+# blocks fills half of it).
+GPU_BOUND_FACTOR = 4
+# The host tier's own size is not known here (vLLM sizes its CPU offloading in host memory,
+# apart from the GPU pool): bounded as if it were up to four times the GPU pool, with the
+# same margin. A bigger tier is under-reported (its oldest blocks dropped), never over.
+HOST_BOUND_FACTOR = 4 * GPU_BOUND_FACTOR
 
 
 class _Block:
@@ -136,10 +165,25 @@ class WorkerKV:
         # Bumped whenever a hash with resident children comes, or goes while not cut off
         # already: only then can a block's ``rooted`` change, so cached values stay good.
         self._epoch = 0
+        self.max_blocks: int | None = None  # None: unbounded (see "Bound"; :meth:`set_bound`)
+        self._part_blocks = 0  # a store of more blocks is applied in parts of this many
+        # blocks dropped because the index held more than ``max_blocks`` (survives resets)
+        self.overflow_dropped = 0
 
     # -- events ----------------------------------------------------------------------------
 
+    def set_bound(self, max_blocks: int | None) -> None:
+        """Hold at most ``max_blocks`` blocks from now on (None: unbounded); blocks over it
+        are dropped at once."""
+        self.max_blocks = max_blocks
+        self._part_blocks = 0 if max_blocks is None else max(max_blocks // SHED_FRACTION, 1)
+        self.shed()
+
     def store(self, event: BlockStored) -> None:
+        bound = self.max_blocks
+        if bound is not None and len(event.block_hashes) > self._part_blocks:
+            self._store_in_parts(event, self._part_blocks)
+            return
         session = event.session_id
         continuation = event.continuation_id
         parent = event.parent_block_hash
@@ -177,6 +221,31 @@ class WorkerKV:
             above = block
         if continuation is not None and self.caps and event.block_hashes:
             self._lift_caps(continuation, prefix)
+        if bound is not None and len(blocks) > bound:
+            self.shed()
+
+    def _store_in_parts(self, event: BlockStored, part: int) -> None:
+        """Store an event of more than ``part`` blocks as consecutive stores of at most ``part``,
+        each under the last block of the one before (so the chain's positions run on), shedding
+        after each: one event cannot overshoot the bound by more than a part."""
+        hashes, token_ids, size = event.block_hashes, event.token_ids, event.block_size
+        parent = event.parent_block_hash
+        for start in range(0, len(hashes), part):
+            chunk = hashes[start:start + part]
+            ids = token_ids[start * size:(start + part) * size] if size > 0 else token_ids
+            self.store(msgspec.structs.replace(event, block_hashes=chunk, parent_block_hash=parent,
+                                               token_ids=ids))
+            parent = chunk[-1]
+
+    def shed(self) -> None:
+        """Drop the oldest stored blocks while the index is over ``max_blocks`` (see "Bound")."""
+        if self.max_blocks is None or len(self.blocks) <= self.max_blocks:
+            return
+        victims = oldest_over_bound(self.blocks, self.max_blocks)
+        evicted = self.evicted_tokens
+        self.remove(BlockRemoved(block_hashes=victims, medium=None))
+        self.evicted_tokens = evicted  # dropped by the bound, not evicted by the engine
+        self.overflow_dropped += len(victims)
 
     def _lift_caps(self, continuation: str, reached: int) -> None:
         caps = self.caps.get(continuation)
@@ -417,69 +486,6 @@ class WorkerKV:
         return sum(block.tokens for block in self.blocks.values())
 
 
-class HostKV:
-    """One worker's host-tier (CPU) blocks and whose they are.
-
-    The tier's own events name no session (vLLM's offloading events carry the block keys; the
-    simulator's the same), so a stored block belongs to the sessions the event names, else to
-    the sessions holding that hash on the worker's GPU when the store lands (the tier stores
-    write-through from running requests, so the GPU copy is there then). A block whose GPU
-    copy is already gone counts for nobody: it is under-reported, never over.
-
-    Invariant 5: ``session_tokens[s] == sum(tokens of b for b in blocks if s in sessions of b)``
-    and ``session_blocks[s]`` lists exactly those blocks (numbered after :class:`WorkerKV`'s).
-    Bounded by the tier's capacity, as the GPU side is by the pool's.
-    """
-
-    def __init__(self) -> None:
-        # hash -> (tokens, sessions)
-        self.blocks: dict[BlockHash, tuple[int, tuple[str, ...]]] = {}
-        self.session_tokens: dict[str, int] = {}
-        self.session_blocks: dict[str, dict[BlockHash, None]] = {}
-        self.events_seen = 0
-        self.unknown_removals = 0
-
-    def store(self, event: BlockStored, gpu: WorkerKV) -> None:
-        named = (event.session_id,) if event.session_id is not None else None
-        for block_hash, tokens in zip(event.block_hashes, block_token_counts(event)):
-            if block_hash in self.blocks:
-                continue  # a re-store of a held chunk changes nothing (the manager's reuse)
-            if named is not None:
-                sessions = named
-            else:
-                on_gpu = gpu.blocks.get(block_hash)
-                sessions = tuple(on_gpu.sessions) if on_gpu is not None else ()
-            self.blocks[block_hash] = (tokens, sessions)
-            for session in sessions:  # keeps invariant 5
-                self.session_tokens[session] = self.session_tokens.get(session, 0) + tokens
-                self.session_blocks.setdefault(session, {})[block_hash] = None
-
-    def remove(self, event: BlockRemoved) -> None:
-        for block_hash in event.block_hashes:
-            held = self.blocks.pop(block_hash, None)
-            if held is None:
-                self.unknown_removals += 1
-                continue
-            tokens, sessions = held
-            for session in sessions:  # keeps invariant 5
-                owned = self.session_blocks[session]
-                del owned[block_hash]
-                if owned:
-                    self.session_tokens[session] -= tokens
-                else:
-                    del self.session_blocks[session]
-                    del self.session_tokens[session]
-
-    def clear(self) -> None:
-        self.blocks = {}
-        self.session_tokens = {}
-        self.session_blocks = {}
-
-    @property
-    def resident_tokens(self) -> int:
-        return sum(tokens for tokens, _ in self.blocks.values())
-
-
 def _on_host(event: KVEvent) -> bool:
     return getattr(event, "medium", None) == MEDIUM_CPU
 
@@ -491,18 +497,40 @@ class KVIndex:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerKV] = {}
         self._hosts: dict[str, HostKV] = {}
+        self._capacity_blocks: dict[str, int] = {}  # what each bound derives from
 
     def worker(self, name: str) -> WorkerKV:
         kv = self._workers.get(name)
         if kv is None:
             kv = self._workers[name] = WorkerKV()
+            kv.set_bound(self._bound(name, GPU_BOUND_FACTOR))
         return kv
 
     def host(self, name: str) -> HostKV:
         host = self._hosts.get(name)
         if host is None:
             host = self._hosts[name] = HostKV()
+            host.set_bound(self._bound(name, HOST_BOUND_FACTOR))
         return host
+
+    def set_capacity(self, worker: str, capacity_tokens: int,
+                     block_size: int | None = None) -> None:
+        """Bound ``worker``'s index by its engine's KV capacity, in blocks of its
+        ``block_size`` when known (see "Bound"); blocks over a lowered bound are dropped at
+        once. The bound survives resets, until :meth:`drop_worker`."""
+        unit = BOUND_BLOCK_TOKENS if block_size is None else block_size
+        if capacity_tokens <= 0 or unit <= 0:
+            raise ValueError(f"worker {worker!r}: capacity and block size must be > 0, got "
+                             f"{capacity_tokens} tokens in blocks of {unit}")
+        self._capacity_blocks[worker] = -(-capacity_tokens // unit)  # whole blocks, rounded up
+        self.worker(worker).set_bound(self._bound(worker, GPU_BOUND_FACTOR))
+        host = self._hosts.get(worker)
+        if host is not None:
+            host.set_bound(self._bound(worker, HOST_BOUND_FACTOR))
+
+    def _bound(self, worker: str, factor: int) -> int | None:
+        blocks = self._capacity_blocks.get(worker)
+        return None if blocks is None else factor * blocks
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -528,7 +556,7 @@ class KVIndex:
         host = self.host(worker)
         host.events_seen += 1
         if isinstance(event, BlockStored):
-            host.store(event, kv)
+            host.store(event, kv.blocks)
         elif isinstance(event, BlockRemoved):
             host.remove(event)
         else:  # pragma: no cover - only stores and removals carry a medium
@@ -546,9 +574,10 @@ class KVIndex:
             host.events_seen = 0
 
     def drop_worker(self, worker: str) -> None:
-        """Forget ``worker`` altogether (it left the fleet)."""
+        """Forget ``worker`` altogether (it left the fleet), its bound with it."""
         self._workers.pop(worker, None)
         self._hosts.pop(worker, None)
+        self._capacity_blocks.pop(worker, None)
 
     def host_tokens(self, worker: str, session: str) -> int:
         """Tokens of ``session`` the host tier of ``worker`` holds (what a resume there can

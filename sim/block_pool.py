@@ -45,6 +45,9 @@ UNHASHED_CLASS = -1
 NORMAL_CLASS = 50
 LOW_CLASS = 0
 MEDIUM_GPU = "GPU"
+# The retention expiry heap is rebuilt from its live entries once its stale ones exceed them
+# by this many.
+EXPIRY_SLACK = 64
 
 
 class PoolExhausted(RuntimeError):
@@ -319,7 +322,10 @@ class BlockPool:
         cls = max(LOW_CLASS + 1, min(100, int(priority)))
         expires = now + ttl_s
         self._session_class[session_id] = (cls, expires)
-        heapq.heappush(self._expiries, (expires, session_id))
+        heap = self._expiries
+        heapq.heappush(heap, (expires, session_id))
+        if len(heap) > 2 * len(self._session_class) + EXPIRY_SLACK:
+            self._compact_expiries()
         self._reclass(session_id, cls)
 
     def demote(self, session_id: str) -> None:
@@ -335,6 +341,10 @@ class BlockPool:
         """The blocks the session owns (stored them first), in the order it got them."""
         return list(self._session_blocks.get(session_id, ()))
 
+    def session_block_count(self, session_id: str) -> int:
+        """How many blocks the session owns (what a retain of it would hold back)."""
+        return len(self._session_blocks.get(session_id, ()))
+
     def _class_of(self, session_id: str) -> int:
         entry = self._session_class.get(session_id)
         return NORMAL_CLASS if entry is None else entry[0]
@@ -347,6 +357,16 @@ class BlockPool:
             if entry is not None and entry[1] == expires:
                 self._session_class[session_id] = (LOW_CLASS, float("inf"))
                 self._reclass(session_id, LOW_CLASS)
+
+    def _compact_expiries(self) -> None:
+        """Keep one expiry per session that can still expire. A session retained again, or
+        released, leaves its earlier entry behind, which ``_expire`` would only skip; without
+        this a stream of retains grows the heap until their TTLs pass (which, in a worker
+        that allocates nothing, is never). Expiries happen exactly as before."""
+        heap = self._expiries
+        heap[:] = [(expires, session_id) for session_id, (_, expires) in self._session_class.items()
+                   if expires != float("inf")]
+        heapq.heapify(heap)
 
     def _reclass(self, session_id: str, cls: int) -> None:
         """Move the session's free blocks to ``cls``, keeping their relative LRU order."""

@@ -11,6 +11,11 @@
   logged and ignored. The buffer keeps the last ``buffer_steps`` batches.
 - An endpoint is bound if it holds ``*`` or ``::`` or is ``ipc://`` / ``inproc://``;
   otherwise the socket connects to it (vLLM's rule).
+- With ``server_keys`` both sockets are CurveZMQ servers and only the clients whose public
+  keys are in its directory can subscribe or ask for a replay (a ZAP handler on the
+  publisher's context, :class:`sluice_vllm_plugin.zmq_auth.ServerAuth`). Without keys a socket
+  is not bound beyond loopback unless ``allow_insecure_bind``; a bound ``ipc://`` file is
+  made 0600.
 
 vLLM publishes from a thread with a queue; here publishing is a non-blocking send from the
 event loop (a PUB socket drops rather than blocks at its high-water mark), so batches go out
@@ -29,6 +34,13 @@ import zmq
 import zmq.asyncio
 
 from scheduler.kv_events import EventBatch, EventBatchEncoder, KVEvent
+from sluice_vllm_plugin.zmq_auth import (
+    ServerAuth,
+    ServerKeys,
+    check_bind,
+    restrict_ipc,
+    set_server_options,
+)
 
 END_SEQ = b"\xff" * 8
 
@@ -39,12 +51,16 @@ def _should_bind(endpoint: str) -> bool:
 
 class KvEventPublisher:
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0) -> None:
+                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0,
+                 server_keys: ServerKeys | None = None, allow_insecure_bind: bool = False) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode("utf-8")
         self.hwm = hwm
         self.data_parallel_rank = data_parallel_rank
+        self.server_keys = server_keys
+        self.allow_insecure_bind = allow_insecure_bind
+        self._auth: ServerAuth | None = None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._encoder = EventBatchEncoder()
         self._next_seq = 0
@@ -65,25 +81,36 @@ class KvEventPublisher:
         self._ctx = zmq.Context()
         self.epoch = os.urandom(16)
         try:
+            if self.server_keys is not None:
+                self._auth = ServerAuth(self._ctx, self.server_keys)
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, self.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            self.bound_endpoint = self._attach(self._pub, self.endpoint)
+            self.bound_endpoint = self._attach(self._pub, self.endpoint, "kv_events")
             if self.replay_endpoint:
                 actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
                 self._replay = actx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self.bound_replay_endpoint = self._attach(self._replay, self.replay_endpoint)
-        except zmq.ZMQError:
+                self.bound_replay_endpoint = self._attach(self._replay, self.replay_endpoint, "replay")
+        except (zmq.ZMQError, ValueError):
             self.close()
             raise
 
-    @staticmethod
-    def _attach(socket: zmq.Socket, endpoint: str) -> str:
+    def _attach(self, socket: zmq.Socket, endpoint: str, setting: str) -> str:
+        """Bind or connect ``socket`` (a CURVE server when there are keys); raises
+        ``zmq.ZMQError`` naming the endpoint, or ``InsecureBindRefused``."""
+        if self.server_keys is not None:
+            set_server_options(socket, self.server_keys)
         try:
             if _should_bind(endpoint):
+                check_bind(endpoint, keyed=self.server_keys is not None,
+                           allow_insecure=self.allow_insecure_bind, setting=setting,
+                           keys_hint="zmq_secret_key_file and zmq_client_keys_dir",
+                           allow_hint="allow_insecure_bind (--allow-insecure-bind)")
                 socket.bind(endpoint)
-                return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+                bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+                restrict_ipc(bound)
+                return bound
             socket.connect(endpoint)
             return endpoint
         except zmq.ZMQError as err:
@@ -94,6 +121,9 @@ class KvEventPublisher:
             if socket is not None:
                 socket.close(linger=0)
         self._replay = self._pub = None
+        if self._auth is not None:
+            self._auth.stop()  # its sockets live on the context: gone before it terminates
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

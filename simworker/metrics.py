@@ -1,5 +1,7 @@
 """The simworker's ``/metrics``: the engine's gauges and counters under vLLM's names and labels,
-read at scrape time, and the simworker's own (lag skipped, calls aborted, directives)."""
+read at scrape time, and the simworker's own (lag skipped, calls aborted, directives: applied,
+dropped by reason, refused by the directive limits by reason, clamped, sessions holding state,
+sessions forgotten)."""
 
 from __future__ import annotations
 
@@ -70,8 +72,35 @@ class EngineCollector:
                       driver.lag_dropped_s)
         yield counter("sluice_simworker:aborted_requests",
                       "Calls aborted because their client went away.", driver.aborted)
-        if self._directives is not None:
+        directives = self._directives
+        if directives is not None:
             yield counter("sluice_simworker:directives_applied",
-                          "Retention directives applied to the block pool.", self._directives.applied)
+                          "Retention directives applied to the block pool.", directives.applied)
             yield counter("sluice_simworker:directives_dropped",
-                          "Directive envelopes dropped as malformed.", self._directives.dropped)
+                          "Directive messages dropped (malformed, too large, several frames) and "
+                          "actions whose application failed.", directives.dropped)
+            governor = directives.governor
+            by_reason = labels + ["reason"]
+            dropped = CounterMetricFamily("sluice_simworker:directive_drops",
+                                          "Directive messages and actions dropped, by reason.",
+                                          labels=by_reason)
+            for reason, n in sorted(directives.drops.items()):
+                dropped.add_metric(values + [reason], n)
+            yield dropped
+            refused = CounterMetricFamily("sluice_simworker:directives_refused",
+                                          "Directive actions refused by the worker's directive "
+                                          "limits, by reason.", labels=by_reason)
+            for reason, n in sorted(governor.refused.items()):
+                refused.add_metric(values + [reason], n)
+            yield refused
+            yield counter("sluice_simworker:directives_clamped",
+                          "Directive actions whose TTL, deadline or priority was clamped to the "
+                          "worker's directive limits.", governor.clamped)
+            yield gauge("sluice_simworker:directive_sessions",
+                        "Sessions holding directive state.", governor.sessions)
+            yield gauge("sluice_simworker:directive_retained_blocks",
+                        "Blocks counted against the retained-block budget (0 without one).",
+                        governor.retained_blocks)
+            yield counter("sluice_simworker:directive_sessions_forgotten",
+                          "Sessions whose directive state lapsed and was released.",
+                          governor.forgotten)

@@ -179,15 +179,19 @@ class SimWorker:
         self.context_tokens = min(self.max_model_len, self.engine.capacity_tokens)
         self.rng = Random(config.sampling_seed)
         self.tokenizer = PseudoTokenizer()
+        server_keys = config.zmq_server_keys
         self.publisher = (
             KvEventPublisher(config.kv_events, replay_endpoint=config.replay, topic=config.kv_topic,
-                             buffer_steps=config.replay_buffer)
+                             buffer_steps=config.replay_buffer, server_keys=server_keys,
+                             allow_insecure_bind=config.allow_insecure_bind)
             if config.kv_events else None
         )
         self._log = structlog.get_logger("sluice.simworker").bind(worker=config.name)
         self.driver = EngineDriver(self.engine, config, self.publisher, self._log)
         self.directives = (
-            DirectiveSocket(config.directives, self.engine, self.driver.vnow) if config.directives else None
+            DirectiveSocket(config.directives, self.engine, self.driver.vnow, config.directive_limits,
+                            server_keys=server_keys, allow_insecure_bind=config.allow_insecure_bind)
+            if config.directives else None
         )
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(self.driver, self.directives))

@@ -8,7 +8,7 @@ One KvHint-shaped envelope per message, as JSON (a message that starts with ``{`
     {"protocol_version": 1, "message_id": str,
      "actions": [{"action_type": "kv.retain"|"kv.demote"|"kv.release"|"kv.offload"|"kv.prefetch",
                   "action_id": str, "action_version": int,
-                  "payload": {"session_id": str, "continuation_id": str?,
+                  "payload": {"session_id": str (1..256), "continuation_id": str?,
                               "priority": 0..100, "ttl_s": float ≥ 0, "deadline_s": float ≥ 0?}}]}
 
 (``priority`` and ``ttl_s`` for ``kv.retain``; ``priority`` (default 50) and ``deadline_s``
@@ -39,7 +39,10 @@ import msgspec
 PROTOCOL_VERSION = 1
 ACTION_VERSION = 1
 
-SessionId = Annotated[str, msgspec.Meta(min_length=1)]
+# No longer than the gateway accepts one (scheduler/coordinates.py, SESSION_ID_MAX_LEN): a
+# receiver keeps session ids as state, so a forged long one must not get that far.
+SESSION_ID_MAX_LEN = 256
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=SESSION_ID_MAX_LEN)]
 Priority = Annotated[int, msgspec.Meta(ge=0, le=100)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 

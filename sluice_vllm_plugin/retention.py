@@ -25,9 +25,12 @@ allocates (``get_new_blocks``, in the free queue's ``popleft_n``) or when
 :meth:`Retention.drain` is called between steps, never concurrently with an allocation, each by
 the method named after its verb (``retain``, ``demote``, ``release``, ``offload``,
 ``prefetch``). TTLs and prefetch deadlines use ``Retention.clock`` (``time.monotonic`` by
-default) from when the directive was posted. The ZMQ directive socket that posts here lives in
-:mod:`sluice_vllm_plugin.directives`; ``offload`` and ``prefetch`` reach the host tiers that
-:mod:`sluice_vllm_plugin.host_tier` attaches (:func:`attach_host_tier`).
+default) from when the directive was posted. What a directive may do is bounded as it is
+applied (:mod:`sluice_vllm_plugin.directive_limits`: TTLs and priorities clamped, session and
+retained-block budgets, state forgotten when a drain finds it lapsed, the inbox's length).
+The ZMQ directive socket that posts here lives in :mod:`sluice_vllm_plugin.directives`;
+``offload`` and ``prefetch`` reach the host tiers that :mod:`sluice_vllm_plugin.host_tier`
+attaches (:func:`attach_host_tier`).
 
 The class rules are written twice on purpose, here and in ``sim/block_pool.py``: this module runs
 inside vLLM's environment, where ``sim/`` (and its dependencies) cannot be imported.
@@ -52,6 +55,8 @@ from vllm.v1.core import kv_cache_utils as _kcu
 
 from .directive_envelope import (KvAction, OffloadPayload, PrefetchPayload, RetainPayload,
                                  SessionPayload, verb_of)
+from .directive_limits import (HEAP_SLACK, REFUSED_QUEUED, DirectiveGovernor, DirectiveLimits,
+                               ThrottledLog, environment_limits)
 from .patching import MethodPatches, then
 
 logger = logging.getLogger("sluice.vllm_plugin.retention")
@@ -697,6 +702,13 @@ class ClassedFreeQueue(_FreeQueue):
         if old != NORMAL_CLASS:
             source.compact_if_stale()
 
+    def forget_session(self, session: str) -> None:
+        """Drop a session that owns no block and is back in the normal class, as a sweep would
+        (sweeps follow frees, so without this an idle engine would keep every released one)."""
+        s = self._sessions.get(session)
+        if s is not None and s.cls == NORMAL_CLASS and not self._owned(s):
+            del self._sessions[session]
+
     def prefix_cache_reset(self) -> None:
         """vLLM's ``reset_prefix_cache`` took every free block's hash. Directives move cached
         blocks only, so the blocks in side classes stay where they are from now on: each class's
@@ -735,7 +747,8 @@ class ClassedFreeQueue(_FreeQueue):
 class Retention:
     """Per-pool retention state and directive inbox."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 limits: DirectiveLimits | None = None) -> None:
         self.clock = clock
         self.inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self.free_session: str | None = None
@@ -743,34 +756,75 @@ class Retention:
         self.dropped = 0
         self._session_class: dict[str, tuple[int, float]] = {}
         self._expiries: list[tuple[float, str]] = []
+        # what a directive may do here (sluice_vllm_plugin.directive_limits), applied as each
+        # is drained; ``governor.refused`` counts the refusals by reason
+        self.governor = DirectiveGovernor(limits if limits is not None else environment_limits(),
+                                          blocks_of=lambda session: len(self._blocks_of(session)))
+        self._log_due = ThrottledLog().due
 
     # any thread
-    def post(self, action: KvAction, at: float | None = None) -> None:
-        """Queue a directive; its TTL or deadline runs from ``at`` (default: now, on ``clock``)."""
+    def post(self, action: KvAction, at: float | None = None) -> bool:
+        """Queue a directive; its TTL or deadline runs from ``at`` (default: now, on ``clock``).
+        False (refused, counted) when ``max_queued`` wait already: an idle engine drains nothing."""
+        if self.inbox.qsize() >= self.governor.limits.max_queued:
+            # the directive socket's thread is the one poster, so this count has one writer
+            self.governor.refused[REFUSED_QUEUED] += 1
+            if (unlogged := self._log_due()) is not None:
+                logger.warning("sluice retention: directive inbox full (%d waiting); refused %r "
+                               "(%d not logged since the last line)", self.inbox.qsize(),
+                               action, unlogged)
+            return False
         self.inbox.put((action, self.clock() if at is None else at))
+        return True
 
     # scheduler thread
     def drain(self) -> int:
         n = 0
         inbox = self.inbox
+        self.forget_lapsed(self.clock())
         # the scheduler's thread is the only consumer: not empty means the get succeeds (and
         # no queue.Empty is raised to end every drain)
         while not inbox.empty():
             action, at = inbox.get_nowait()
             try:
-                self.apply(action, at)
-                n += 1
+                if self.apply(action, at):
+                    n += 1
             except Exception as exc:  # never crash the engine on directive input
                 self.dropped += 1
-                logger.warning("sluice retention: dropped directive %r: %s", action, exc)
+                if (unlogged := self._log_due()) is not None:
+                    logger.warning("sluice retention: dropped directive %.300r: %s: %s (%d dropped, "
+                                   "%d not logged since the last line)", action,
+                                   type(exc).__name__, exc, self.dropped, unlogged)
         return n
 
-    def apply(self, action: KvAction, at: float) -> None:
-        """Carry out one directive posted at ``at``: the method named after its verb."""
+    def apply(self, action: KvAction, at: float) -> bool:
+        """Carry out one directive posted at ``at``, within the limits: the method named after
+        its verb. False when the limits refuse it."""
         session_id = action.payload.session_id
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
-        getattr(self, verb_of(action))(action.payload, at)
+        admitted = self.governor.admit(action, at)
+        if admitted is None:
+            if (unlogged := self._log_due()) is not None:
+                logger.warning("sluice retention: directive %.300r refused by the directive limits "
+                               "(refused so far: %s; %d sessions hold state; %d not logged since "
+                               "the last line)", action, dict(self.governor.refused),
+                               self.governor.sessions, unlogged)
+            return False
+        getattr(self, verb_of(admitted))(admitted.payload, at)
+        return True
+
+    def forget_lapsed(self, now: float) -> None:
+        """Release the sessions whose latest directive is ``forget_after_s`` old."""
+        for session_id in self.governor.lapsed(now):
+            try:
+                self.release(SessionPayload(session_id), now)
+            except Exception as exc:  # never crash the engine on directive state
+                self.dropped += 1
+                if (unlogged := self._log_due()) is not None:
+                    logger.warning("sluice retention: releasing forgotten session %.300r failed: "
+                                   "%s: %s (%d not logged since the last line)", session_id,
+                                   type(exc).__name__, exc, unlogged)
 
     def class_of(self, session_id: str) -> int:
         entry = self._session_class.get(session_id)
@@ -784,7 +838,14 @@ class Retention:
         cls = max(LOW_CLASS + 1, min(100, int(payload.priority)))
         expires = at + float(payload.ttl_s)
         self._session_class[session_id] = (cls, expires)
-        heapq.heappush(self._expiries, (expires, session_id))
+        heap = self._expiries
+        heapq.heappush(heap, (expires, session_id))
+        if len(heap) > 2 * len(self._session_class) + HEAP_SLACK:
+            # one entry per session that can still expire (as sim/block_pool.py): a session
+            # retained again leaves its earlier entry behind, only ever skipped. In place: the
+            # free queue holds this list.
+            heap[:] = [(end, s) for s, (_, end) in self._session_class.items() if end != float("inf")]
+            heapq.heapify(heap)
         self._reclass(session_id, cls)
 
     def demote(self, payload: SessionPayload, at: float) -> None:
@@ -796,6 +857,8 @@ class Retention:
         session_id = payload.session_id
         self._session_class.pop(session_id, None)
         self._reclass(session_id, NORMAL_CLASS)
+        if self.queue is not None:
+            self.queue.forget_session(session_id)
         for host in host_tiers():
             host.release(session_id)
 

@@ -109,9 +109,12 @@ class Policy(ABC):
     def add_worker(self, name: str, capacity_tokens: int | None = None) -> None:
         self.ledger.add_worker(name, capacity_tokens)
         self.index.worker(name)
+        if capacity_tokens is not None:
+            self.index.set_capacity(name, capacity_tokens)  # bounds what its events may store
 
     def set_capacity(self, name: str, capacity_tokens: int) -> None:
         self.ledger.set_capacity(name, capacity_tokens)
+        self.index.set_capacity(name, capacity_tokens)
 
     def calls_on(self, name: str) -> int:
         """Calls in flight on worker ``name``."""

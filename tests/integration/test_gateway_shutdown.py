@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _serve(tmp_path: Path, worker_url: str, grace_s: float) -> tuple[subprocess.Popen, str]:
     config = {"workers": [{"name": "w0", "url": worker_url, "capacity_tokens": 1_000_000}],
-              "admin_token_env": None, "reload_poll_s": 0, "shutdown_grace_s": grace_s}
+              "admin_token_env": None, "reload_poll_s": 0, "shutdown_grace_s": grace_s,
+              "forward_client_headers": ["x-test-*"]}
     path = tmp_path / "sluice.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     port = free_port()

@@ -352,7 +352,9 @@ def test_a_ranks_own_worker_takes_its_blocks_when_it_joins_and_gives_them_back_w
         # listens here: rank 1 has a replay socket of its own only as worker w1#dp1
         config = serve_config([{"name": "w1", "url": QUIET["url"], "capacity_tokens": 100_000,
                                 "replay": rank0.replay}], kv_events_bind=bind,
-                              kv_replay_timeout_s=0.3)
+                              # short, for the replay nobody answers; long enough for the ones
+                              # that are answered on a loaded machine
+                              kv_replay_timeout_s=1.5)
         ranks = [(rank0, Workload(1)), (rank1, Workload(2, base=100_000))]
         with gateway(config) as gw, SluiceAdmin(gw.url, ADMIN_TOKEN) as admin:
             sync(gw, rank0, "w1")  # (the batches sync publishes are empty)

@@ -472,7 +472,8 @@ def test_sluice_simworker_command_serves_the_api_metrics_and_kv_events(zctx):
     command = [str(sluice)] if sluice.exists() else [sys.executable, "-m", "entry.cli"]
     process = subprocess.Popen(
         command + ["simworker", "--port", str(port), "--blocks", "128", "--block-size", "32",
-                   "--kv-events", f"tcp://*:{kv}", "--time-scale", "0.05", "--name", "cli"],
+                   "--kv-events", f"tcp://*:{kv}", "--allow-insecure-bind",
+                   "--time-scale", "0.05", "--name", "cli"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         def up() -> bool:

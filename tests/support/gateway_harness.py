@@ -76,6 +76,9 @@ def serve_config(workers: list[dict], **overrides: Any) -> ServeConfig:
         "health_interval_s": 30.0,
         "capacity_retry_s": 0.1,
         "reload_poll_s": 0,
+        # the fake workers are steered by x-test-* headers, which a gateway forwards only when
+        # its config names them
+        "forward_client_headers": ["x-test-*"],
         "workers": workers,
     }
     data.update(overrides)

@@ -10,6 +10,7 @@ import pytest
 
 from controller.serve_config import ServeConfig, load_serve_config, parse_serve_config
 from controller.upstream import (
+    ClientHeaders,
     forward_headers,
     prepare_body,
     sends_engine_priority,
@@ -79,7 +80,9 @@ def test_config_errors_name_every_offending_key(data, keys):
 def test_zmq_endpoints_accept_ipc_paths_as_zmq_does(endpoint):
     config = parse_serve_config({"workers": [{**WORKER, "kv_events": endpoint, "replay": endpoint,
                                               "directives": endpoint}],
-                                 "kv_events_bind": endpoint})
+                                 "kv_events_bind": endpoint,
+                                 # tcp://* binds beyond loopback without keys: allowed here
+                                 "allow_insecure_bind": True})
     worker = config.workers[0]
     assert (worker.kv_events, worker.replay, worker.directives) == (endpoint,) * 3
     assert config.kv_events_bind == endpoint
@@ -126,15 +129,16 @@ def test_forward_headers_drop_hop_by_hop_and_connection_named_ones():
            (b"TE", b"trailers"), (b"Trailer", b"x"), (b"Transfer-Encoding", b"chunked"),
            (b"Upgrade", b"h2c"), (b"Content-Length", b"12"), (b"Accept-Encoding", b"gzip"),
            (b"X-Session-ID", b"client-said"), (b"Authorization", b"Bearer k"), (b"X-Other", b"y")]
-    out = dict((k.lower(), v) for k, v in forward_headers(raw, "resolved"))
-    assert out == {b"authorization": b"Bearer k", b"x-other": b"y",
-                   b"x-session-id": b"resolved", b"accept-encoding": b"identity"}
+    named = ClientHeaders(["x-private", "authorization", "x-other", "keep-alive", "te"])
+    out = dict((k.lower(), v) for k, v in forward_headers(raw, "resolved", named))
+    assert out == {b"authorization": b"Bearer k", b"x-other": b"y", b"x-session-id": b"resolved",
+                   b"accept-encoding": b"identity", b"content-type": b"application/json"}
 
 
 @pytest.mark.parametrize("client_priority", [False, True])
 def test_vllms_priority_header_goes_only_when_the_clients_priority_is_forwarded(client_priority):
     raw = [(b"X-Vllm-Priority", b"-100"), (b"X-Other", b"y")]
-    out = dict((k.lower(), v) for k, v in forward_headers(raw, "s", client_priority))
+    out = dict((k.lower(), v) for k, v in forward_headers(raw, "s", ClientHeaders(["x-other"], client_priority)))
     assert (b"x-vllm-priority" in out) is client_priority
     assert out[b"x-other"] == b"y"
 
