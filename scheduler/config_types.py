@@ -58,13 +58,14 @@ class RetentionConfig(Strict):
 # With a host KV tier (``retention.host_tier: true``) a program's KV that leaves the GPU waits
 # in host memory instead of being lost, so the policy may count less of what waits: programs
 # turn dormant after the 25th percentile of recent tool calls (at least 30 s) and are
-# offloaded then (and ``host_tier_overcommit`` applies); and a forced resume reloads what the
-# tier kept rather than recomputing it, so held calls need not wait as much longer under deep
-# overload (``max_wait_stretch`` 1.5). These are the defaults of the keys a file leaves out
-# when it turns the tier on (docs/architecture.md §3; measured in
-# experiments/results/host_tier/README.md and overload/README.md).
+# offloaded then (and ``host_tier_overcommit`` applies); and the tier keeps the KV of programs
+# waiting to resume, so the oversubscription in GPU pools overstates what a forced resume
+# costs: held calls' waits stretch from 3 pools on (``wait_stretch_from``), at most 3 times.
+# These are the defaults of the keys a file leaves out when it turns the tier on
+# (docs/architecture.md §3; measured in experiments/results/host_tier/README.md,
+# overload/README.md and cc2048/README.md).
 HOST_TIER_DEFAULTS: dict[str, Any] = {"dormant_quantile": 0.25, "dormant_min_s": 30.0,
-                                      "max_wait_stretch": 1.5}
+                                      "wait_stretch_from": 3.0, "max_wait_stretch": 3.0}
 HOST_TIER_RETENTION_DEFAULTS: dict[str, Any] = {"offload_dormant": True}
 
 
