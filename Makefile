@@ -8,6 +8,9 @@
 #                cores; FUZZ=tests/fuzz/<file>[::<test>] runs one target). `make test` runs
 #                the same targets with a few hundred inputs each
 #   make bench   print BENCH <name> <value> <unit> lines (progress goes to stderr)
+#   make soak    1 hour, 512 agent sessions through the gateway on 4 simworkers, a fault every
+#                5 minutes (worker kill, hang, restart; gateway reload; bad input); summary in
+#                experiments/results/soak/ (SOAK_ARGS="--duration-s 240 --sessions 32" shortens it)
 #   make clean   remove caches and build outputs (keeps .venv); `make distclean` also drops .venv
 
 PYTHON ?= python3
@@ -20,7 +23,7 @@ OPTIONAL_EXTRAS := ray
 # Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
 STAMP  := $(VENV)/.sluice-installed
 
-.PHONY: venv vllm-venv test test-fast fuzz demo bench clean distclean
+.PHONY: venv vllm-venv test test-fast fuzz demo bench soak clean distclean
 
 venv: $(STAMP)
 
@@ -58,6 +61,11 @@ demo: venv
 
 bench: venv
 	@$(VPY) -m bench
+
+SOAK_OUT ?= experiments/results/soak
+SOAK_ARGS ?=
+soak: venv
+	$(VPY) -m bench.soak --out $(SOAK_OUT) $(SOAK_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis

@@ -15,6 +15,9 @@ llm-d layout, and its replay socket (architecture.md §5.3).
   :data:`MAX_MESSAGE_BYTES` is ever read, and, for a worker with a ``zmq_server_key``, the
   socket is a CurveZMQ client of that worker (controller/zmq_keys.py). A subscriber that connects is kept connected by
   :func:`reconnect_when_lost` (libzmq gives up a connection over such a frame).
+- The socket bound at ``kv_events_bind`` is set up by :func:`prepare_bound_socket`: with the
+  gateway's publisher keys it is a CurveZMQ server that hears only the publishers in
+  ``zmq_keys.publisher_keys_dir``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sluice_vllm_plugin.zmq_auth import ClientKeys, set_client_options
+from sluice_vllm_plugin.zmq_auth import (
+    ClientKeys,
+    ServerAuth,
+    ServerKeys,
+    set_client_options,
+    set_server_options,
+)
 
 END_SEQ = b"\xff" * 8
 TOPIC_PREFIX = "kv@"
@@ -56,6 +65,20 @@ def prepare_socket(socket: zmq.Socket, client_keys: ClientKeys | None = None) ->
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     if client_keys is not None:
         set_client_options(socket, client_keys)
+
+
+def prepare_bound_socket(socket: zmq.Socket, server_keys: ServerKeys | None) -> ServerAuth | None:
+    """Set up the SUB that ``kv_events_bind`` binds (before it binds), as
+    :func:`prepare_socket` does, and with ``server_keys`` make it a CurveZMQ server with a ZAP
+    handler on its context: the handler, which the caller stops once the socket is closed, or
+    None without keys. Without the handler libzmq would let in any publisher that knows the
+    gateway's (public) key, so it is started here, before the socket can bind."""
+    prepare_socket(socket)
+    if server_keys is None:
+        return None
+    auth = ServerAuth(socket.context, server_keys)
+    set_server_options(socket, server_keys)
+    return auth
 
 
 def publisher_epoch(frames: list[bytes]) -> bytes | None:

@@ -17,7 +17,8 @@ One YAML document, every top-level key optional except ``workers``::
     kv_events_bind: tcp://*:5557          # llm-d layout: one SUB, topics kv@<worker>@<model>
     kv_events_queue: 1000                 # batches queued per worker before drops (repaired)
     kv_replay_timeout_s: 2.0
-    zmq_keys: {secret_key_file: keys/gateway.key_secret}   # CurveZMQ client key pair
+    zmq_keys: {secret_key_file: keys/gateway.key_secret,   # CurveZMQ key pair
+               publisher_keys_dir: keys/publishers}       # who may feed kv_events_bind
     allow_insecure_bind: false            # kv_events_bind beyond loopback without keys
     clients: {keys_file: clients.yaml, max_programs: 100}   # optional client API keys
     policy: {name: ..., ...}              # one section per policy: scheduler.config.AnyPolicyConfig
@@ -55,7 +56,7 @@ from controller.worker_urls import (
     WorkerUrlRefused,
 )
 from scheduler.config_reading import AnyPolicyConfig, format_validation_errors, parse_policy_config
-from sluice_vllm_plugin.zmq_auth import check_bind, load_key_pair, load_public_key
+from sluice_vllm_plugin.zmq_auth import PUBLIC_SUFFIX, check_bind, load_key_pair, load_public_key
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
@@ -242,11 +243,23 @@ class ZmqKeysConfig(_Strict):
     when its ``NAME.key`` is in their client keys directory."""
 
     secret_key_file: Path
+    # The public keys (NAME.key) of the publishers that may feed kv_events_bind: with it that
+    # socket is a CURVE server, and a publisher whose key is not here is not heard.
+    publisher_keys_dir: Path | None = None
 
     @field_validator("secret_key_file")
     @classmethod
     def _key_pair(cls, value: Path) -> Path:
         load_key_pair(value)  # a ZmqKeyError (a ValueError) says what is wrong with it
+        return value
+
+    @field_validator("publisher_keys_dir")
+    @classmethod
+    def _public_keys(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value.is_dir() and any(value.glob(f"*{PUBLIC_SUFFIX}"))):
+            # an empty directory would turn every publisher away, which is surely a mistake
+            raise ValueError(f"{value}: not a directory holding publisher public keys "
+                             f"(*{PUBLIC_SUFFIX})")
         return value
 
 
@@ -392,8 +405,8 @@ class ServeConfig(_Strict):
     kv_replay_timeout_s: Seconds = 2.0
     # The gateway's CurveZMQ key pair, used with each worker that has a zmq_server_key.
     zmq_keys: ZmqKeysConfig | None = None
-    # kv_events_bind may listen beyond loopback (tcp://*:5557) only when this is true: that
-    # socket has no CURVE yet, so anyone who reaches it can feed the index.
+    # kv_events_bind without zmq_keys.publisher_keys_dir may listen beyond loopback
+    # (tcp://*:5557) only when this is true: anyone who reaches it could feed the index.
     allow_insecure_bind: bool = False
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
     policy: AnyPolicyConfig = ProgramAwareConfig()
@@ -464,10 +477,10 @@ class ServeConfig(_Strict):
                     raise ValueError(f"workers.{index}.zmq_server_key: needs the gateway's own "
                                      "key pair too (zmq_keys.secret_key_file)")
         if self.kv_events_bind is not None:  # always bound (controller/subscriber.py)
-            check_bind(self.kv_events_bind, keyed=False, allow_insecure=self.allow_insecure_bind,
+            keyed = self.zmq_keys is not None and self.zmq_keys.publisher_keys_dir is not None
+            check_bind(self.kv_events_bind, keyed=keyed, allow_insecure=self.allow_insecure_bind,
                        setting="kv_events_bind",
-                       keys_hint="not yet available on kv_events_bind; connect to each worker's "
-                                 "kv_events instead",
+                       keys_hint="zmq_keys.secret_key_file and zmq_keys.publisher_keys_dir",
                        allow_hint="allow_insecure_bind: true")
         return self
 

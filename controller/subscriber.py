@@ -108,8 +108,8 @@ import zmq.asyncio
 
 from controller.admission import Admission
 from controller.kv_wire import (MAX_MESSAGE_BYTES, RankPeek, ReplayError, attach, offset_endpoint,
-                                prepare_socket, publisher_epoch, reconnect_when_lost, replay_from,
-                                worker_from_topic)
+                                prepare_bound_socket, prepare_socket, publisher_epoch,
+                                reconnect_when_lost, replay_from, worker_from_topic)
 from controller.serve_config import ServeConfig, WorkerConfig
 from controller.zmq_keys import GatewayZmqKeys
 from scheduler.kv_events import EventBatch, EventBatchDecoder
@@ -327,8 +327,9 @@ class KvEventSubscriber:
     async def _read_bound(self) -> None:
         assert self._bind is not None
         socket = self._context().socket(zmq.SUB)
+        auth = None
         try:
-            prepare_socket(socket)
+            auth = prepare_bound_socket(socket, self._zmq_keys.publishers())  # CURVE with keys
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.bind(self._bind)
             self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -350,6 +351,8 @@ class KvEventSubscriber:
         finally:
             self.bound_endpoint = None
             socket.close(linger=0)
+            if auth is not None:  # after the socket: a ZAP handler outlives what it answers
+                auth.stop()
 
     def _accept(self, source: KvSource, frames: list[bytes]) -> None:
         """Queue one message of ``source``'s worker; drop it (counted) when it does not decode

@@ -5,6 +5,10 @@
 gateway's public key is in its client keys directory, and that accepts only that worker:
 events from an impostor bound at the worker's endpoint never arrive. A worker without
 ``zmq_server_key`` is reached without CURVE.
+
+With ``zmq_keys.publisher_keys_dir`` too, the gateway is the CURVE *server* of the one
+socket it binds for KV events (``kv_events_bind``, the llm-d layout): the engines' publishers
+connect to it as clients, and one whose public key is not in that directory is not heard.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from controller.serve_config import ServeConfig, WorkerConfig
 # write_key_pair is here for `sluice keys` too: entry reaches the plugin's code through us.
 from sluice_vllm_plugin.zmq_auth import (
     ClientKeys,
+    ServerKeys,
     ZmqKeyError,
     load_key_pair,
     load_public_key,
@@ -37,6 +42,18 @@ class GatewayZmqKeys:
             except ZmqKeyError as err:
                 raise ConfigError(f"zmq_keys.secret_key_file: {err}") from None
         self._server_keys: dict[Path, bytes] = {}
+        self._publishers: ServerKeys | None = None
+        if config.zmq_keys is not None and config.zmq_keys.publisher_keys_dir is not None:
+            try:
+                self._publishers = ServerKeys.from_files(config.zmq_keys.secret_key_file,
+                                                         config.zmq_keys.publisher_keys_dir)
+            except ZmqKeyError as err:
+                raise ConfigError(f"zmq_keys.publisher_keys_dir: {err}") from None
+
+    def publishers(self) -> ServerKeys | None:
+        """The CURVE server keys of the ``kv_events_bind`` socket (the gateway's pair and the
+        publishers it hears); None without ``zmq_keys.publisher_keys_dir``."""
+        return self._publishers
 
     def client(self, worker: WorkerConfig | None) -> ClientKeys | None:
         """The CURVE client keys to reach ``worker``; None when it has no ``zmq_server_key``.

@@ -43,6 +43,11 @@ from sluice_vllm_plugin.zmq_auth import (
 )
 
 END_SEQ = b"\xff" * 8
+# A replay request is [identity, b"", 8-byte start seq]; nothing a client sends the PUB or the
+# ROUTER is longer than this, so a longer frame is a hostile one, refused by libzmq unread.
+MAX_INBOUND_FRAME_BYTES = 1024
+# Ignored replay requests are logged at most once per this many seconds (with a count).
+IGNORED_LOG_EVERY_S = 10.0
 
 
 def _should_bind(endpoint: str) -> bool:
@@ -71,6 +76,8 @@ class KvEventPublisher:
         self.bound_replay_endpoint: str | None = None
         self.epoch: bytes | None = None
         self._log = structlog.get_logger("sluice.simworker.kv_events")
+        self.ignored_requests = 0  # malformed replay requests, dropped
+        self._ignored_logged_at = -IGNORED_LOG_EVERY_S
 
     @property
     def next_seq(self) -> int:
@@ -86,11 +93,13 @@ class KvEventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, self.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_FRAME_BYTES)  # subscriptions only
             self.bound_endpoint = self._attach(self._pub, self.endpoint, "kv_events")
             if self.replay_endpoint:
                 actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
                 self._replay = actx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_FRAME_BYTES)
                 self.bound_replay_endpoint = self._attach(self._replay, self.replay_endpoint, "replay")
         except (zmq.ZMQError, ValueError):
             self.close()
@@ -148,9 +157,13 @@ class KvEventPublisher:
             return
         while True:
             frames = await socket.recv_multipart()
-            if len(frames) != 3:
-                self._log.warning("replay request ignored: expected [identity, b'', start_seq]",
-                                  frames=len(frames))
+            if len(frames) != 3 or len(frames[2]) != 8:
+                self.ignored_requests += 1
+                now = time.monotonic()
+                if now - self._ignored_logged_at >= IGNORED_LOG_EVERY_S:
+                    self._ignored_logged_at = now
+                    self._log.warning("replay request ignored: expected [identity, b'', 8-byte start_seq]",
+                                      frames=len(frames), ignored_so_far=self.ignored_requests)
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")

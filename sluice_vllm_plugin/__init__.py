@@ -17,7 +17,10 @@ When vLLM runs the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 applies the patches anywhere, ``SLUICE_PLUGIN=off`` nowhere.
 
 Every KV-event message also carries the publisher's per-start epoch as a fourth frame
-(:mod:`sluice_vllm_plugin.epoch`; ``SLUICE_PUBLISHER_EPOCH=off`` turns it off).
+(:mod:`sluice_vllm_plugin.epoch`; ``SLUICE_PUBLISHER_EPOCH=off`` turns it off). With
+``SLUICE_ZMQ_SECRET_KEY_FILE`` and ``SLUICE_ZMQ_CLIENT_KEYS_DIR`` set the publisher's sockets
+are CurveZMQ servers, and without them it does not listen beyond loopback unless
+``SLUICE_ZMQ_ALLOW_INSECURE_BIND=1`` (:mod:`sluice_vllm_plugin.publisher_auth`).
 
 When ``SLUICE_DIRECTIVE_ENDPOINT`` is set the engine core also listens there for retention and
 host-tier directives (:mod:`sluice_vllm_plugin.directives`). The host-tier patches
@@ -65,7 +68,7 @@ def is_engine_core_process() -> bool:
 
 def apply_patches() -> None:
     """Apply every patch to vLLM's classes (idempotent)."""
-    from . import directives, epoch, labels, retention
+    from . import directives, epoch, labels, publisher_auth, retention
     labels.apply()
     retention.apply()
     try:
@@ -75,6 +78,7 @@ def apply_patches() -> None:
     else:
         host_tier.apply()
     epoch.apply()
+    publisher_auth.apply()
     directives.start_from_env()
 
 

@@ -184,6 +184,9 @@ class Fleet:
             "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "SLUICE_DIRECTIVE_ENDPOINT": worker.directive_endpoint,
+            # vLLM binds its KV-event sockets only on tcp://* (or ipc://): without CurveZMQ keys
+            # the plugin refuses that unless told; the fleet's clients are all on loopback
+            "SLUICE_ZMQ_ALLOW_INSECURE_BIND": "1",
         })
         return env
 
