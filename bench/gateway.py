@@ -228,9 +228,11 @@ def _start_upstream(workdir: Path, cpus: set[int] | None) -> tuple[_Child, str]:
 def _gateway_config(upstream_url: str, port: int) -> str:
     # Everything else at its default (configs/example.yaml): log level info, health checks
     # every 5 s, config file polled every 2 s, program_aware with its usual thresholds —
-    # only the worker's capacity is so large that no call is ever held.
+    # only the worker's capacity is so large that no call is ever held, and the upstream's
+    # x-bench-gap-ms header goes through (the gateway forwards only the headers it is told).
     return (
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "forward_client_headers: [x-bench-gap-ms]\n"
         "workers:\n"
         f"  - {{name: fast, url: \"{upstream_url}\", capacity_tokens: 1000000000000}}\n"
         "policy:\n"
