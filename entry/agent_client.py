@@ -207,6 +207,11 @@ class AgentClient:
         except (ValueError, KeyError, IndexError, TypeError) as err:
             self._error(f"{session} ({api}): unreadable answer: {type(err).__name__}: {err}")
             return None
+        self._answered(api, sent, prompt, cached, output)
+        return reply
+
+    def _answered(self, api: str, sent: float, prompt: int, cached: int, output: int) -> None:
+        """Count a call of ``api`` sent at ``sent`` (monotonic) that was answered."""
         result = self.result
         result.calls += 1
         result.calls_by_api[api] += 1
@@ -214,7 +219,6 @@ class AgentClient:
         result.output_tokens += output
         result.prompt_tokens += prompt
         result.cached_tokens += cached
-        return reply
 
     def _error(self, message: str) -> None:
         self.result.errors += 1

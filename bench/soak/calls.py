@@ -97,11 +97,5 @@ class SoakAgentClient(AgentClient):
                         f"{session} ({api}): {type(err).__name__}: {err}")
             return None
         ledger.succeeded += 1
-        result = self.result
-        result.calls += 1
-        result.calls_by_api[api] += 1
-        result.latencies_s.append(time.monotonic() - sent)
-        result.output_tokens += output
-        result.prompt_tokens += prompt
-        result.cached_tokens += cached
+        self._answered(api, sent, prompt, cached, output)
         return reply

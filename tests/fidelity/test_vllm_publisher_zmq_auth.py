@@ -35,10 +35,9 @@ from sluice_vllm_plugin.zmq_auth import (
     write_key_pair,
 )
 from tests.support.vllm_venv import ROOT, run_check, vllm_env, vllm_python
+from tests.support.zmq_handshake import HANDSHAKE_FAILED
 
 WAIT_S = 60.0  # generous: the machine may be loaded
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 # Builds vLLM's publisher with the plugin's patch, prints its endpoints, then publishes one
 # batch per "publish" line on stdin until "quit" (or end of input), and shuts it down.

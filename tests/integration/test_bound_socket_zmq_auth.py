@@ -31,10 +31,9 @@ from sluice_vllm_plugin.zmq_auth import (
 from controller.serve_config import parse_serve_config
 from controller.zmq_keys import GatewayZmqKeys
 from tests.support.gateway_harness import gateway, serve_config, wait_for
+from tests.support.zmq_handshake import HANDSHAKE_FAILED
 
 WAIT_S = 60.0  # generous: the machine may be loaded
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 DEAD_URL = f"http://127.0.0.1:{free_port()}"  # nothing listens: workers fed only by events
 
 

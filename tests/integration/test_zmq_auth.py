@@ -47,10 +47,9 @@ from sluice_vllm_plugin.zmq_auth import (
     set_client_options,
     write_key_pair,
 )
+from tests.support.zmq_handshake import HANDSHAKE_FAILED
 
 WAIT_S = 60.0   # generous: the machine may be loaded
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HANDSHAKE_DONE = zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
