@@ -14,10 +14,12 @@ events, replay and directive sockets) so a fleet runs on a machine without a GPU
 cluster the engines are real vLLM servers and their endpoints are handed to the gateway as
 mappings instead.
 
-Both bind the address Ray knows the node by (``ray.util.get_node_ip_address()``) unless told
-another, so the URLs they report reach them from any node of the cluster. ZMQ sockets bind
-every interface on a port the kernel picks (``tcp://*:*``; the simworker binds only endpoints
-with a wildcard) and are advertised at the same node address.
+Both bind the address Ray knows the node by (``ray.util.get_node_ip_address()``), or the one
+``SLUICE_NODE_ADDRESS`` names in the actor's environment (a local cluster on loopback: Ray
+reports the machine's own address even when started with ``_node_ip_address="127.0.0.1"``),
+unless told another, so the URLs they report reach them from any node of the cluster. The
+simworker's ZMQ sockets bind that address on a port the kernel picks (``tcp://HOST:*``; it
+binds only endpoints with a wildcard) and are advertised at it.
 
 The classes are plain; :func:`start_gateway` and :func:`start_simworker` make them Ray actors
 with the resources and restart policy given, so importing this module needs no Ray session.
@@ -25,6 +27,7 @@ with the resources and restart policy given, so importing this module needs no R
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,14 +44,17 @@ from simworker.worker import create_app as create_simworker_app
 
 # Keys of the gateway's config the actor sets itself: where it listens and what it fronts.
 ACTOR_OWNED_KEYS = ("listen", "workers")
-# ZMQ: bind every interface on a port the kernel picks (the simworker binds wildcard endpoints).
-ANY_ZMQ_PORT = "tcp://*:*"
+# The address actors bind and advertise instead of Ray's node address, when set.
+NODE_ADDRESS_ENV = "SLUICE_NODE_ADDRESS"
 # Simworker settings the actor derives (sockets, name); everything else of SimWorkerConfig
 # may be passed.
 SIMWORKER_OWNED_KEYS = ("name", "kv_events", "replay", "directives")
 
 
 def node_address() -> str:
+    explicit = os.environ.get(NODE_ADDRESS_ENV)
+    if explicit:
+        return explicit
     import ray
 
     return ray.util.get_node_ip_address()
@@ -136,12 +142,13 @@ class SimWorkerActor:
         if owned:
             raise ValueError(f"the simworker actor sets {', '.join(owned)} itself")
         self._host = host or node_address()
-        # The gateway reaches the actor from another node, so its sockets listen on every
-        # interface: authenticated when settings give zmq_secret_key_file and
+        # The gateway reaches the actor from another node, so its sockets listen on the node's
+        # address: authenticated when settings give zmq_secret_key_file and
         # zmq_client_keys_dir, else allowed as before unless settings say otherwise.
         settings.setdefault("allow_insecure_bind", "zmq_secret_key_file" not in settings)
-        config = SimWorkerConfig(name=name, kv_events=ANY_ZMQ_PORT, replay=ANY_ZMQ_PORT,
-                                 directives=ANY_ZMQ_PORT, **settings)
+        any_port = f"tcp://{self._host}:*"  # a port the kernel picks (the '*' makes it a bind)
+        config = SimWorkerConfig(name=name, kv_events=any_port, replay=any_port,
+                                 directives=any_port, **settings)
         app = create_simworker_app(config)
         server = uvicorn.Server(uvicorn.Config(app, host=self._host, port=0, log_level="warning",
                                                access_log=False, lifespan="on"))

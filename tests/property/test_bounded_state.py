@@ -59,6 +59,8 @@ BOUNDS: dict[str, str] = {
     # the host tier's mirror: bounded by the tier's chunks, and empty here for the same reason
     "index._hosts": WORKER,
     "index._hosts.values.*": LIVE,
+    # each worker's bound on what its events may store, while it is in the fleet
+    "index._capacity_blocks": WORKER,
     # least_loaded: VERL's sticky routing cache (an LRU of sticky_lru_size)
     "_sticky": WINDOW,
     # least_loaded, autellix, kv_aware: per-worker counters
@@ -95,6 +97,7 @@ BOUNDS: dict[str, str] = {
     "_dormancy._predicted_ends._heap": LIVE,
     "_keep._retained_until": LIVE,
     "_keep._due": LIVE,
+    "_keep._held": LIVE,  # paused sessions whose call was held since the last tick
     "_keep._refresh._heap": LIVE,
     # mori: each program's idleness window, and each worker's host-tier book
     "_windows": LIVE,

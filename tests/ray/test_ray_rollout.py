@@ -91,10 +91,11 @@ def _answered(url: str) -> float:
 def test_ray_restarts_a_dead_gateway_actor_which_starts_fresh_and_reports_its_new_url():
     import ray
 
-    from ray_fleet.actors import start_gateway, start_simworker
+    from ray_fleet.actors import NODE_ADDRESS_ENV, start_gateway, start_simworker
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": _env()["PYTHONPATH"]}})
+             runtime_env={"env_vars": {"PYTHONPATH": _env()["PYTHONPATH"],
+                                       NODE_ADDRESS_ENV: "127.0.0.1"}})
     try:
         worker = start_simworker("w0", {"num_blocks": 128, "time_scale": 0.1})
         config = {"admin_token_env": None, "health_interval_s": 1.0, "capacity_retry_s": 0.2,
