@@ -15,7 +15,6 @@ import json
 import math
 import random
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +23,6 @@ import httpx
 import msgspec
 import pytest
 import structlog
-import uvicorn
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -32,10 +30,10 @@ from sim.engine import Engine
 from sim.step_time import DEFAULT_PRESET, preset
 from simworker.config import SimWorkerConfig
 from simworker.directive_socket import DirectiveSocket
-from simworker.worker import create_app
 from sluice_vllm_plugin.directive_envelope import KvRetain, RetainPayload
 from sluice_vllm_plugin.directive_limits import (DirectiveGovernor, DirectiveLimits,
                                                  limits_from_environment)
+from tests.integration.test_simworker import serve
 
 WAIT_S = 60.0   # generous: the machine may be loaded
 
@@ -100,24 +98,12 @@ HOSTILE = [
 
 @contextlib.contextmanager
 def simworker(**overrides) -> Iterator[tuple[str, object]]:
-    settings = dict(name="d0", num_blocks=256, block_size=16, kv_events=None,
+    """A whole simworker with a directive socket (test_simworker's ``serve``): its URL and it."""
+    settings = dict(name="d0", num_blocks=256, block_size=16, kv_events=None, replay=None,
                     directives="tcp://127.0.0.1:*", time_scale=0.05)
     settings.update(overrides)
-    app = create_app(SimWorkerConfig(**settings))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started or not thread.is_alive(), "the simworker starts")
-        assert thread.is_alive(), "the simworker failed to start"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.worker
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve(**settings) as running:
+        yield running.url, running.worker
 
 
 def metric(text: str, name: str, **labels: str) -> float:

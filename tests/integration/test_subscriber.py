@@ -9,10 +9,8 @@ from the publisher's whole history, so "repaired" means "equal to never having l
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -21,7 +19,8 @@ import pytest
 import zmq
 from tests.support.fake_vllm import FakeState, create_fake
 from entry.ports import free_port
-from tests.support.gateway_harness import ADMIN, ServerThread, gateway, serve_config, wait_for
+from tests.support.gateway_harness import (ADMIN, ServerThread, applier_stalled, gateway,
+                                           serve_config, wait_for)
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.kv_wire import offset_endpoint, worker_from_topic
@@ -255,17 +254,7 @@ def test_a_flood_beyond_the_queue_is_dropped_counted_and_repaired():
     work = Workload(seed=9)
     with publisher() as pub, gateway_for([worker_entry("w1", pub)], kv_events_queue=4) as gw:
         sync(gw, pub, "w1")
-        # Stall the applier: hold the admission lock on the gateway's own event loop.
-        loop = gw.server.server.servers[0].get_loop()
-        release = threading.Event()
-
-        async def hold_lock() -> None:
-            async with gw.parts.admission._lock:
-                while not release.is_set():
-                    await asyncio.sleep(0.01)
-
-        held = asyncio.run_coroutine_threadsafe(hold_lock(), loop)
-        try:
+        with applier_stalled(gw):
             before = stats(gw, "w1").received
             for _ in range(200):
                 pub.publish(work.batch())
@@ -273,9 +262,6 @@ def test_a_flood_beyond_the_queue_is_dropped_counted_and_repaired():
             dropped = stats(gw, "w1").dropped
             assert dropped >= 200 - 4 - 1  # the queue holds 4, the applier 1
             assert gw.parts.kv_events.queue_depths()["w1"] == 4
-        finally:
-            release.set()
-            held.result(5)
         # the flood ended with dropped batches that no later batch reveals: the drained
         # queue triggers their repair all the same
         applied_through(gw, "w1", pub.next_seq - 1)

@@ -14,8 +14,6 @@ buffer: a stranger's frames on the worker's topic, which the replay knows nothin
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from typing import Any
 
@@ -28,7 +26,7 @@ from controller.subscriber import QUEUE_BYTES_LIMIT
 from entry.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from scheduler.kv_events import BlockStored, EventBatch, EventBatchEncoder
-from tests.support.gateway_harness import gateway, serve_config, wait_for
+from tests.support.gateway_harness import applier_stalled, gateway, serve_config, wait_for
 from tests.support.kv_streams import BS, FramePublisher, Workload, baseline, publisher, snapshot
 
 DEAD_URL = f"http://127.0.0.1:{free_port()}"  # nothing listens: workers fed only by events
@@ -237,17 +235,7 @@ def test_a_workers_queue_holds_a_bounded_number_of_bytes():
     assert size < MAX_MESSAGE_BYTES
     with publisher() as pub, gateway_for(pub) as gw:
         sync(gw, pub)
-        # Stall the applier: hold the admission lock on the gateway's own event loop.
-        loop = gw.server.server.servers[0].get_loop()
-        release = threading.Event()
-
-        async def hold_lock() -> None:
-            async with gw.parts.admission._lock:
-                while not release.is_set():
-                    await asyncio.sleep(0.01)
-
-        held = asyncio.run_coroutine_threadsafe(hold_lock(), loop)
-        try:
+        with applier_stalled(gw, WAIT_S):
             before = stats(gw).received
             for n in range(4):
                 pub.publish_raw(padded_batch(size, block_hash=FORGED_HASH + n))
@@ -256,9 +244,6 @@ def test_a_workers_queue_holds_a_bounded_number_of_bytes():
             # The applier holds one batch; of the three others the queue takes two at most.
             assert stats(gw).dropped >= 1
             assert gw.parts.kv_events._sources["w1"].queued_bytes <= QUEUE_BYTES_LIMIT
-        finally:
-            release.set()
-            held.result(WAIT_S)
         applied_through(gw, pub.next_seq - 1)  # the drops are repaired from replay
         assert index_of(gw) == baseline(pub.history)
         assert not stats(gw).resets

@@ -4,6 +4,7 @@ clients."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 import time
@@ -140,3 +141,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "co
 
 def chat(content: str = "hello", **extra: Any) -> dict:
     return {"model": "fake-model", "messages": [{"role": "user", "content": content}], **extra}
+
+
+@contextmanager
+def applier_stalled(gw: "Gateway", release_timeout_s: float = 5.0) -> Iterator[None]:
+    """Stall the gateway's KV-event applier while the block runs: hold the admission lock on
+    the gateway's own event loop (batches are read and queued, none applied)."""
+    loop = gw.server.server.servers[0].get_loop()
+    release = threading.Event()
+
+    async def hold_lock() -> None:
+        async with gw.parts.admission._lock:
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+
+    held = asyncio.run_coroutine_threadsafe(hold_lock(), loop)
+    try:
+        yield
+    finally:
+        release.set()
+        held.result(release_timeout_s)
