@@ -32,6 +32,10 @@ from scheduler.snapshot import WorkerView
 
 HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# What the listener (controller/server.py) refuses or cuts, by reason: 431, 408 (head, body),
+# 503 past http.max_connections, and a client disconnected for not reading its answer.
+EDGE_REFUSAL_REASONS = ("headers_too_large", "header_timeout", "body_timeout",
+                        "connection_limit", "send_timeout")
 
 
 class _PolicyCollector(Collector):
@@ -242,6 +246,13 @@ class Metrics:
         self.reloads = Counter(
             "sluice_config_reloads", "Config reloads by result.", ["result"], registry=self.registry,
         )
+        self.edge_refusals = Counter(
+            "sluice_edge_refusals", "Requests the listener refused (http: bounds) and clients it "
+            "cut for not reading, by reason; counted even when the log line is skipped.",
+            ["reason"], registry=self.registry)
+        # Every reason at 0 from the start, so a scrape shows them before the first refusal.
+        self._edge_refusal_counters = {reason: self.edge_refusals.labels(reason)
+                                       for reason in EDGE_REFUSAL_REASONS}
         self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=self.registry)
         self.up.set(1)
         self._request_counters: dict[tuple[str, int], Any] = {}
@@ -282,6 +293,11 @@ class Metrics:
         children[0].inc(prompt_tokens)
         children[1].inc(cached_tokens)
         children[2].inc(completion_tokens)
+
+    def count_edge_refusal(self, reason: str) -> None:
+        """``sluice_edge_refusals{reason}`` + 1; ``reason`` is one of
+        :data:`EDGE_REFUSAL_REASONS`."""
+        self._edge_refusal_counters[reason].inc()
 
     def forget_worker(self, worker: str) -> None:
         """Drop a worker's upstream latency and usage series (it left the fleet; the

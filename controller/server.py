@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -32,30 +33,37 @@ from controller.serve_config import HttpConfig
 # resets it, and the client, busy sending, would see the reset instead of the answer.
 LINGER_S = 2.0
 # Refusals of one kind are logged at most once per this many seconds (with how many were
-# not), so that a flood of bad clients does not become a flood of log lines.
+# not), so that a flood of bad clients does not become a flood of log lines; the metric
+# counts every one.
 WARN_EVERY_S = 10.0
 
 _encode = msgspec.json.Encoder().encode
 
 
-class EdgeWarnings:
-    """The listener's refusals in the gateway's log, one line per kind per
-    :data:`WARN_EVERY_S` at most."""
+class EdgeRefusals:
+    """The listener's refusals: each counted (``sluice_edge_refusals_total{reason}``,
+    controller/metrics.py), and logged one line per reason per :data:`WARN_EVERY_S` at most."""
 
-    def __init__(self, log: Any, clock: Any = time.monotonic) -> None:
+    def __init__(self, log: Any, count: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._log = log
+        self._count = count
         self._clock = clock
         self._last: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
 
-    def warn(self, event: str, **fields: Any) -> None:
+    def refused(self, reason: str, event: str, **fields: Any) -> None:
+        """One refusal of ``reason`` (of :data:`controller.metrics.EDGE_REFUSAL_REASONS`),
+        logged as ``event`` unless a refusal of that reason was logged less than
+        :data:`WARN_EVERY_S` ago."""
+        self._count(reason)
         now = self._clock()
-        last = self._last.get(event)
+        last = self._last.get(reason)
         if last is not None and now - last < WARN_EVERY_S:
-            self._unlogged[event] = self._unlogged.get(event, 0) + 1
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
             return
-        self._last[event] = now
-        self._log.warning(event, not_logged_since_last=self._unlogged.pop(event, 0), **fields)
+        self._last[reason] = now
+        self._log.warning(event, not_logged_since_last=self._unlogged.pop(reason, 0), **fields)
 
 
 class EdgeHttpProtocol(HttpToolsProtocol):
@@ -76,15 +84,16 @@ class EdgeHttpProtocol(HttpToolsProtocol):
       the client may see as a reset).
 
     Every refusal answers in the API's error shape (controller/errors.py) with
-    ``connection: close``, then lingers (:data:`LINGER_S`) before closing.
+    ``connection: close``, then lingers (:data:`LINGER_S`) before closing; each, and each
+    client cut for not reading, is counted and logged (:class:`EdgeRefusals`).
     """
 
     def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None, *, limits: HttpConfig,
-                 warnings: EdgeWarnings, retry_after_s: int) -> None:
+                 refusals: EdgeRefusals, retry_after_s: int) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._limits = limits
-        self._warnings = warnings
+        self._refusals = refusals
         self._retry_after_s = retry_after_s
         self._head_open = True      # what arrives now is (part of) a request's head
         self._head_bytes = 0        # bytes received of that head so far
@@ -179,9 +188,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._refuse_large_head(f"{size} bytes, over {limits.max_header_bytes}")
             return
         if self._over_connection_limit:
-            self._warnings.warn("connection limit reached; request refused with 503",
-                                client=_client_name(self.client),
-                                max_connections=limits.max_connections)
+            self._refusals.refused("connection_limit",
+                                   "connection limit reached; request refused with 503",
+                                   client=_client_name(self.client),
+                                   max_connections=limits.max_connections)
             self._refuse(GatewayError(
                 503, f"the gateway has {limits.max_connections} client connections open, its "
                      "limit (http.max_connections); retry the call",
@@ -237,9 +247,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self._head_bytes == 0 and not self._head_begun:
             self.transport.close()  # nothing was asked: nothing to answer
             return
-        self._warnings.warn("request headers timed out; refused with 408",
-                            client=_client_name(self.client),
-                            header_timeout_s=self._limits.header_timeout_s)
+        self._refusals.refused("header_timeout", "request headers timed out; refused with 408",
+                               client=_client_name(self.client),
+                               header_timeout_s=self._limits.header_timeout_s)
         self._refuse(GatewayError(
             408, f"the request headers did not arrive within {self._limits.header_timeout_s} s "
                  "(http.header_timeout_s)", INVALID_REQUEST))
@@ -254,9 +264,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._body_timer = self.loop.call_later(self._limits.body_timeout_s,
                                                     self._body_timed_out)
             return
-        self._warnings.warn("request body timed out; refused with 408",
-                            client=_client_name(self.client),
-                            body_timeout_s=self._limits.body_timeout_s)
+        self._refusals.refused("body_timeout", "request body timed out; refused with 408",
+                               client=_client_name(self.client),
+                               body_timeout_s=self._limits.body_timeout_s)
         cycle = self.cycle
         if cycle.response_started:  # the app answered before reading its body: cut it
             self.transport.abort()
@@ -274,14 +284,16 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         Aborting the connection makes uvicorn tell the app the client is gone (and wake its
         blocked send), so the call ends as for any client that left (controller/relay.py)."""
         self._send_timer = None
-        self._warnings.warn("client stopped reading its answer; connection closed",
-                            client=_client_name(self.client),
-                            send_timeout_s=self._limits.send_timeout_s)
+        self._refusals.refused("send_timeout",
+                               "client stopped reading its answer; connection closed",
+                               client=_client_name(self.client),
+                               send_timeout_s=self._limits.send_timeout_s)
         self.transport.abort()
 
     def _refuse_large_head(self, why: str) -> None:
-        self._warnings.warn("request headers too large; refused with 431",
-                            client=_client_name(self.client), size=why)
+        self._refusals.refused("headers_too_large",
+                               "request headers too large; refused with 431",
+                               client=_client_name(self.client), size=why)
         self._refuse(GatewayError(
             431, f"the request headers are too large: {why} "
                  "(http.max_header_bytes, http.max_headers)", INVALID_REQUEST))
@@ -340,7 +352,8 @@ def server_config(app: Any, host: str, port: int, grace_s: float) -> uvicorn.Con
     parts = app.state.sluice
     limits: HttpConfig = parts.config.http
     protocol = functools.partial(EdgeHttpProtocol, limits=limits,
-                                 warnings=EdgeWarnings(parts.log),
+                                 refusals=EdgeRefusals(parts.log,
+                                                       parts.metrics.count_edge_refusal),
                                  retry_after_s=parts.config.limits.retry_after_s)
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",

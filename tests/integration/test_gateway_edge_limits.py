@@ -1,7 +1,8 @@
 """The client-facing edge of the gateway, as ``sluice serve`` runs it (controller/server.py:
 uvicorn with the ``http:`` bounds): header size and count limits, header/body/idle timeouts,
 the connection limit, the send timeout for a client that stops reading, the listener's
-keep-alive, and a non-boolean ``stream``. Real uvicorn on 127.0.0.1, real sockets, a real
+keep-alive, and a non-boolean ``stream``; each refusal counted in
+``sluice_edge_refusals_total{reason}``. Real uvicorn on 127.0.0.1, real sockets, a real
 fake worker behind it (tests/support/fake_vllm.py)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tests.support.gateway_harness import Gateway, LogSink, chat, fakes, serve_config, wait_for
 
 from controller.gateway import create_app
@@ -139,6 +141,21 @@ def _post(url: str, session: str, **kwargs: Any) -> httpx.Response:
                            headers=headers, **kwargs)
 
 
+# Every reason the listener counts, each exported at 0 before its first refusal.
+NO_REFUSALS = dict.fromkeys(("headers_too_large", "header_timeout", "body_timeout",
+                             "connection_limit", "send_timeout"), 0.0)
+
+
+def _edge_refusals(url: str) -> dict[str, float]:
+    """``sluice_edge_refusals_total`` by reason, scraped from the gateway's ``/metrics``
+    on a connection of its own (closed after, so it holds no room under max_connections)."""
+    with httpx.Client(base_url=url, timeout=10, trust_env=False) as client:
+        text = client.get("/metrics").text
+    return {sample.labels["reason"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "sluice_edge_refusals_total"}
+
+
 def _quiet(gw: Gateway) -> None:
     """Nothing held or in flight, and the gateway and the policy agree on every call."""
     assert all(p["in_flight"] == 0 and p["waiting"] == 0 for p in gw.programs().values())
@@ -179,11 +196,13 @@ def test_a_48_mb_header_is_refused_with_431_while_other_calls_go_on():
         assert all("x-huge" not in seen.headers for seen in fake.seen)
         assert len(fake.seen) == 10
         assert _post(gw.url, "after").status_code == 200
+        assert _edge_refusals(gw.url) == {**NO_REFUSALS, "headers_too_large": 1}
         _quiet(gw)
 
 
 def test_too_many_or_too_large_headers_get_431_in_the_routes_error_shape():
     with fleet(max_headers=40, max_header_bytes=8192) as (gw, _, fake):
+        assert _edge_refusals(gw.url) == NO_REFUSALS
         many = {f"x-extra-{n}": "1" for n in range(50)}
         refused = _post(gw.url, "many", headers=many)
         assert refused.status_code == 431
@@ -206,6 +225,9 @@ def test_too_many_or_too_large_headers_get_431_in_the_routes_error_shape():
         within = _post(gw.url, "within", headers={f"x-extra-{n}": "1" for n in range(20)})
         assert within.status_code == 200
         assert [seen.body["session_id"] for seen in fake.seen] == ["within"]
+        # Three refusals, one log line (WARN_EVERY_S), each counted.
+        assert sum("request headers too large" in line for line in gw.log.lines()) == 1
+        assert _edge_refusals(gw.url) == {**NO_REFUSALS, "headers_too_large": 3}
         _quiet(gw)
 
 
@@ -237,6 +259,8 @@ def test_silent_clients_and_partial_heads_and_bodies_are_closed_by_the_timeouts(
             sock.close()
 
         wait_for(lambda: server.open_connections() == 0, timeout=10, what="connections closed")
+        # The silent connections were closed, not refused: nothing was asked of them.
+        assert _edge_refusals(gw.url) == {**NO_REFUSALS, "header_timeout": 6, "body_timeout": 5}
         assert _post(gw.url, "prompt").status_code == 200  # a client that does send is served
         assert fake.sessions() == ["reused", "prompt"]
         _quiet(gw)
@@ -255,6 +279,7 @@ def test_past_max_connections_a_request_gets_503_with_retry_after_until_one_clos
         for sock in held:
             sock.close()
         wait_for(lambda: server.open_connections() == 0, timeout=10, what="connections closed")
+        assert _edge_refusals(gw.url) == {**NO_REFUSALS, "connection_limit": 1}
         assert _post(gw.url, "fifth").status_code == 200
         _quiet(gw)
 
@@ -281,6 +306,7 @@ def test_a_client_that_stops_reading_its_stream_is_cut_and_its_call_given_back()
         assert any('"client disconnected"' in line and '"streaming"' in line
                    for line in gw.log.lines())
         assert gw.parts.admission.disagreements() == []
+        assert _edge_refusals(gw.url) == {**NO_REFUSALS, "send_timeout": 1}
         assert _post(gw.url, "next").status_code == 200
         _quiet(gw)
 
