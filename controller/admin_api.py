@@ -129,10 +129,12 @@ class AdminApi:
 
     async def add_worker(self, request: Request) -> Response:
         """``POST /sluice/workers`` with a worker entry as in the config's ``workers:``. Its
-        URL must be one ``worker_urls`` allows (its host name resolved, every address
-        checked) and its API key readable: else a 400 naming ``worker.url`` or
-        ``worker.api_key_env`` / ``worker.api_key_file``, before any connection to it
-        (:meth:`Fleet.add`)."""
+        URL, and the ``tcp://`` hosts of the ``kv_events``, ``replay`` and ``directives`` it
+        connects to, must be ones ``worker_urls`` allows (host names resolved, every address
+        checked), a ``kv_events`` the gateway binds may not listen beyond loopback without
+        keys unless ``allow_insecure_bind``, and its API key must be readable: else a 400
+        naming the key (``worker.url``, ``worker.replay``, ``worker.kv_events``,
+        ``worker.api_key_env`` ...), before any connection to it (:meth:`Fleet.add`)."""
         if (denied := self._deny(request)) is not None:
             return denied
         try:

@@ -71,6 +71,7 @@ from controller.subscriber import KvEventSubscriber
 from controller.upstream import UpstreamPool
 from controller.workers import MembershipError, WorkerMode, WorkerRegistry, WorkerState
 from scheduler.config import ConfigError
+from sluice_vllm_plugin.zmq_auth import InsecureBindRefused
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +216,9 @@ class Fleet:
 
     async def add(self, worker: WorkerConfig) -> WorkerRecord:
         """Add a worker at run time, wired as a configured one is; MembershipError (400)
-        when its URL is outside ``worker_urls`` or its API key cannot be read, (409) when
-        the name is taken, (503) when the gateway is out of descriptors or memory."""
+        when it is not admissible (:meth:`_check_admissible`: its URL or a ZMQ endpoint, a
+        bound ``kv_events``, its API key), (409) when the name is taken, (503) when the
+        gateway is out of descriptors or memory."""
         try:
             # before the membership lock: resolving its host may take a while
             await self._check_admissible(worker)
@@ -281,10 +283,23 @@ class Fleet:
     async def _check_admissible(self, worker: WorkerConfig) -> None:
         """Refuse a worker the gateway must not talk to, before any connection to it: its
         URL outside ``worker_urls`` (:class:`WorkerUrlRefused`; a host name is resolved and
-        every address checked, controller/worker_urls.py), or its API key unreadable
-        (:class:`ConfigError` naming ``api_key_env`` or ``api_key_file``)."""
-        await self._config.worker_urls.allow_list().check_addresses(
-            worker.url, self._config.upstream.connect_timeout_s)
+        every address checked, controller/worker_urls.py), a ZMQ endpoint it connects to
+        outside them, a ``kv_events`` it binds beyond loopback without keys, or its API key
+        unreadable (each a :class:`ConfigError` naming its key: ``replay``, ``kv_events``,
+        ``api_key_env`` ...). Also for configured workers: the admin API's entry was
+        validated alone, without the config's ``allow_insecure_bind`` and ``worker_urls``."""
+        allow = self._config.worker_urls.allow_list()
+        timeout_s = self._config.upstream.connect_timeout_s
+        await allow.check_addresses(worker.url, timeout_s)
+        for key, endpoint in worker.connected_endpoints().items():
+            try:
+                await allow.check_endpoint_addresses(endpoint, timeout_s)
+            except WorkerUrlRefused as err:
+                raise ConfigError(f"{key}: {err}") from None
+        try:
+            self._config.check_kv_events_bind(worker)
+        except InsecureBindRefused as err:  # its message starts with "kv_events: "
+            raise ConfigError(str(err)) from None
         worker.api_key()
 
     async def _open(self, worker: WorkerConfig, *, first_health_check: bool) -> WorkerRecord:

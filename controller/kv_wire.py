@@ -18,6 +18,8 @@ llm-d layout, and its replay socket (architecture.md §5.3).
 - The socket bound at ``kv_events_bind`` is set up by :func:`prepare_bound_socket`: with the
   gateway's publisher keys it is a CurveZMQ server that hears only the publishers in
   ``zmq_keys.publisher_keys_dir``.
+- Every socket the gateway binds (``kv_events_bind``, a worker's ``kv_events`` holding ``*``)
+  is bound by :func:`bind_private`: a bound ``ipc://`` file is made 0600.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sluice_vllm_plugin.zmq_auth import (
     ClientKeys,
     ServerAuth,
     ServerKeys,
+    restrict_ipc,
     set_client_options,
     set_server_options,
 )
@@ -142,11 +145,26 @@ async def reconnect_when_lost(socket: zmq.asyncio.Socket, endpoint: str, log: An
         monitor.close(linger=0)
 
 
+def binds(endpoint: str) -> bool:
+    """Whether :func:`attach` binds ``endpoint`` (it holds a wildcard) rather than connects.
+    A worker's ``kv_events`` so written is checked as a bind when the worker joins
+    (controller/serve_config.py), not against ``worker_urls``."""
+    return "*" in endpoint
+
+
+def bind_private(socket: zmq.Socket, endpoint: str) -> str:
+    """Bind ``socket`` at ``endpoint``; the endpoint in effect. A bound ``ipc://`` file is
+    made 0600 at once: whoever may open it may feed the index."""
+    socket.bind(endpoint)
+    bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    restrict_ipc(bound)  # the bound name: ipc://* picks a file of its own
+    return bound
+
+
 def attach(socket: zmq.Socket, endpoint: str) -> str:
     """Bind an endpoint holding a wildcard, connect to any other; the endpoint in effect."""
-    if "*" in endpoint:
-        socket.bind(endpoint)
-        return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    if binds(endpoint):
+        return bind_private(socket, endpoint)
     socket.connect(endpoint)
     return endpoint
 

@@ -19,7 +19,7 @@ One YAML document, every top-level key optional except ``workers``::
     kv_replay_timeout_s: 2.0
     zmq_keys: {secret_key_file: keys/gateway.key_secret,   # CurveZMQ key pair
                publisher_keys_dir: keys/publishers}       # who may feed kv_events_bind
-    allow_insecure_bind: false            # kv_events_bind beyond loopback without keys
+    allow_insecure_bind: false            # kv_events_bind, kv_events: tcp://*, without keys
     clients: {keys_file: clients.yaml, max_programs: 100}   # optional client API keys
     policy: {name: ..., ...}              # one section per policy: scheduler.config.AnyPolicyConfig
 
@@ -49,6 +49,7 @@ from pydantic import (
 
 from scheduler.config import ConfigError, PolicyConfig, ProgramAwareConfig, load_yaml_text
 
+from controller.kv_wire import binds
 from controller.worker_urls import (
     DEFAULT_NETWORKS,
     DEFAULT_SCHEMES,
@@ -347,6 +348,13 @@ class WorkerConfig(_Strict):
             return None
         return _check_zmq_endpoint(value)
 
+    def connected_endpoints(self) -> dict[str, str]:
+        """The ZMQ endpoints the gateway connects to, by key (held to ``worker_urls`` as the
+        URL is): all given but a ``kv_events`` it binds (controller/kv_wire.py ``binds``)."""
+        given = {"kv_events": self.kv_events, "replay": self.replay, "directives": self.directives}
+        return {key: endpoint for key, endpoint in given.items()
+                if endpoint is not None and not (key == "kv_events" and binds(endpoint))}
+
 
 class ServeConfig(_Strict):
     """Everything ``sluice serve`` reads. ``policy`` is the one section hot-reloaded."""
@@ -405,8 +413,8 @@ class ServeConfig(_Strict):
     kv_replay_timeout_s: Seconds = 2.0
     # The gateway's CurveZMQ key pair, used with each worker that has a zmq_server_key.
     zmq_keys: ZmqKeysConfig | None = None
-    # kv_events_bind without zmq_keys.publisher_keys_dir may listen beyond loopback
-    # (tcp://*:5557) only when this is true: anyone who reaches it could feed the index.
+    # kv_events_bind without publisher_keys_dir, or a worker's kv_events holding * without its
+    # zmq_server_key, may listen beyond loopback only if true: anyone reaching it feeds the index.
     allow_insecure_bind: bool = False
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
     policy: AnyPolicyConfig = ProgramAwareConfig()
@@ -463,19 +471,25 @@ class ServeConfig(_Strict):
                 allow.check_form(worker.url)
             except WorkerUrlRefused as err:
                 problems.append(f"workers.{index}.url: {err}")
+            for key, endpoint in worker.connected_endpoints().items():
+                try:
+                    allow.check_endpoint_form(endpoint)
+                except WorkerUrlRefused as err:
+                    problems.append(f"workers.{index}.{key}: {err}")
         if problems:
             raise ValueError("\n".join(problems))
         return self
 
     @model_validator(mode="after")
     def _zmq_keys_given(self) -> ServeConfig:
-        """A worker's zmq_server_key needs the gateway's own key pair; kv_events_bind does
-        not listen beyond loopback unless allow_insecure_bind."""
-        if self.zmq_keys is None:
-            for index, worker in enumerate(self.workers):
-                if worker.zmq_server_key is not None:
-                    raise ValueError(f"workers.{index}.zmq_server_key: needs the gateway's own "
-                                     "key pair too (zmq_keys.secret_key_file)")
+        """A worker's zmq_server_key needs the gateway's own key pair; kv_events_bind, and a
+        worker's kv_events the gateway binds, do not listen beyond loopback without keys
+        unless allow_insecure_bind."""
+        for index, worker in enumerate(self.workers):
+            if self.zmq_keys is None and worker.zmq_server_key is not None:
+                raise ValueError(f"workers.{index}.zmq_server_key: needs the gateway's own "
+                                 "key pair too (zmq_keys.secret_key_file)")
+            self.check_kv_events_bind(worker, f"workers.{index}.kv_events")
         if self.kv_events_bind is not None:  # always bound (controller/subscriber.py)
             keyed = self.zmq_keys is not None and self.zmq_keys.publisher_keys_dir is not None
             check_bind(self.kv_events_bind, keyed=keyed, allow_insecure=self.allow_insecure_bind,
@@ -483,6 +497,18 @@ class ServeConfig(_Strict):
                        keys_hint="zmq_keys.secret_key_file and zmq_keys.publisher_keys_dir",
                        allow_hint="allow_insecure_bind: true")
         return self
+
+    def check_kv_events_bind(self, worker: WorkerConfig, setting: str = "kv_events") -> None:
+        """Refuse (InsecureBindRefused, naming ``setting``) a ``kv_events`` the gateway binds
+        (holding ``*``) beyond loopback without keys, unless allow_insecure_bind. The keys are
+        the worker's zmq_server_key: CURVE roles do not follow bind and connect, so the bound
+        SUB is a CURVE client that hears only a publisher holding that worker's secret key.
+        publisher_keys_dir does not apply: the subscriber's one ZAP handler is kv_events_bind's."""
+        if worker.kv_events is not None and binds(worker.kv_events):
+            check_bind(worker.kv_events, keyed=worker.zmq_server_key is not None,
+                       allow_insecure=self.allow_insecure_bind, setting=setting,
+                       keys_hint="the worker's zmq_server_key, its publisher a CURVE server",
+                       allow_hint="allow_insecure_bind: true")
 
     @field_validator("kv_events_bind")
     @classmethod

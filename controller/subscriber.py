@@ -107,9 +107,10 @@ import zmq
 import zmq.asyncio
 
 from controller.admission import Admission
-from controller.kv_wire import (MAX_MESSAGE_BYTES, RankPeek, ReplayError, attach, offset_endpoint,
-                                prepare_bound_socket, prepare_socket, publisher_epoch,
-                                reconnect_when_lost, replay_from, worker_from_topic)
+from controller.kv_wire import (MAX_MESSAGE_BYTES, RankPeek, ReplayError, attach, bind_private,
+                                offset_endpoint, prepare_bound_socket, prepare_socket,
+                                publisher_epoch, reconnect_when_lost, replay_from,
+                                worker_from_topic)
 from controller.serve_config import ServeConfig, WorkerConfig
 from controller.zmq_keys import GatewayZmqKeys
 from scheduler.kv_events import EventBatch, EventBatchDecoder
@@ -331,8 +332,7 @@ class KvEventSubscriber:
         try:
             auth = prepare_bound_socket(socket, self._zmq_keys.publishers())  # CURVE with keys
             socket.setsockopt(zmq.SUBSCRIBE, b"")
-            socket.bind(self._bind)
-            self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.bound_endpoint = bind_private(socket, self._bind)  # an ipc:// file 0600
             self._log.info("KV events bound (llm-d layout)", endpoint=self.bound_endpoint,
                            workers=[s.name for s in self._sources.values() if s.bound])
             while True:

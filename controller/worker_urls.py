@@ -17,6 +17,14 @@ validation, which also runs on a hot reload inside the event loop):
   ``hosts`` is resolved, and every address it resolves to must lie in an allowed network
   (one address outside is enough to refuse: the OS may connect to any of them).
 
+A worker's ZMQ endpoints that the gateway connects to (``kv_events``, ``replay``,
+``directives``) reach its host as surely as its URL does, so a ``tcp://`` one is held to the
+same hosts and networks (:meth:`UrlAllowList.check_endpoint_form`,
+:meth:`UrlAllowList.check_endpoint_addresses`); ``schemes`` is the URL's alone. ``ipc://`` and
+``inproc://`` endpoints reach no other host and pass; a ``kv_events`` the gateway binds
+(holding ``*``) names a local interface, and is checked as a bind instead
+(controller/serve_config.py).
+
 How DNS is treated. A name is resolved when its worker joins (the gateway starting, or the
 admin API adding it), and the check holds for those answers only: the connections made later
 resolve the name again, so a name whose records change afterwards is not checked again.
@@ -100,10 +108,39 @@ class UrlAllowList:
         :meth:`check_form`; a name in ``hosts`` is trusted as is (module docstring)."""
         self.check_form(url)
         parts = _split(url)
-        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        await self._check_host(url, parts.hostname or "", port, timeout_s)
+
+    def check_endpoint_form(self, endpoint: str) -> None:
+        """Refuse (:class:`WorkerUrlRefused`) a ``tcp://`` ZMQ endpoint the gateway connects
+        to whose host is an IP address outside every allowed network; a host name is left
+        to :meth:`check_endpoint_addresses`, and other transports pass (module docstring)."""
+        target = _zmq_tcp_target(endpoint)
+        if target is None:
+            return
+        address = _literal_address(target[0])
+        if address is not None:
+            self._check_address(endpoint, address)
+
+    async def check_endpoint_addresses(self, endpoint: str, timeout_s: float) -> None:
+        """:meth:`check_addresses` for a ZMQ endpoint the gateway connects to: a ``tcp://``
+        host name is resolved and every address checked, unless it is in ``hosts``."""
+        self.check_endpoint_form(endpoint)
+        target = _zmq_tcp_target(endpoint)
+        if target is None:
+            return
+        host, port = target
+        if host in ("", "*"):
+            # libzmq refuses to connect to "*" (EINVAL): say so now, not from a task later
+            raise WorkerUrlRefused(endpoint, "the gateway connects to this endpoint, so it "
+                                   "must name the worker's host (tcp://HOST:PORT)")
+        await self._check_host(endpoint, host, port, timeout_s)
+
+    async def _check_host(self, url: str, host: str, port: int, timeout_s: float) -> None:
+        """Resolve ``host`` (unless it is an address, checked from the form, or named in
+        ``hosts``) and check every address it resolves to."""
         if _literal_address(host) is not None or host.lower() in self.hosts:
             return
-        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         try:
             with anyio.fail_after(timeout_s):
                 infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -149,6 +186,20 @@ def _split(url: str) -> SplitResult:
         return urlsplit(url)
     except ValueError as err:  # an unbalanced IPv6 bracket, say
         raise WorkerUrlRefused(url, f"not a URL ({err})") from None
+
+
+def _zmq_tcp_target(endpoint: str) -> tuple[str, int] | None:
+    """The host and port (0 when not a number) a ``tcp://`` endpoint connects to, as libzmq
+    reads it: after the last ``;`` (``tcp://SOURCE;HOST:PORT`` binds SOURCE locally first),
+    the port after the last ``:``, an IPv6 host in brackets or not. None for other
+    transports."""
+    scheme, separator, rest = endpoint.partition("://")
+    if not separator or scheme.lower() != "tcp":
+        return None
+    host, _, port = rest.rpartition(";")[2].rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port) if port.isdigit() else 0
 
 
 def _literal_address(host: str) -> IpAddress | None:
