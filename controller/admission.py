@@ -111,6 +111,29 @@ class Admitted:
         return engine_priority(self.priority, self.admitted_at)
 
 
+def hold_shorter_than_wait(limits: LimitsConfig, policy: PolicyConfig) -> dict[str, float] | None:
+    """The figures of a config whose ``limits.max_hold_s`` ends a held call before the
+    policy's longest wait would let it go ahead (``max_wait_s`` × ``max_wait_stretch``):
+    under deep overload its clients would get 503s instead of their programs resumed. None
+    when the hold outlasts the wait, or the policy has no such bound."""
+    max_wait = getattr(policy, "max_wait_s", None)
+    if max_wait is None:
+        return None
+    longest_wait = max_wait * getattr(policy, "max_wait_stretch", 1.0)
+    if limits.max_hold_s >= longest_wait:
+        return None
+    return {"max_hold_s": limits.max_hold_s, "max_wait_s": max_wait,
+            "longest_wait_s": round(longest_wait, 3)}
+
+
+def warn_if_hold_shorter_than_wait(log: Any, limits: LimitsConfig, policy: PolicyConfig) -> None:
+    figures = hold_shorter_than_wait(limits, policy)
+    if figures is not None:
+        log.warning("limits.max_hold_s is shorter than the policy's longest wait "
+                    "(policy.max_wait_s × policy.max_wait_stretch): under deep overload held "
+                    "calls get 503 before their programs are resumed", **figures)
+
+
 class _Waiter:
     __slots__ = ("request", "event", "outcome", "held_at", "client")
 

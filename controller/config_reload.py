@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from controller.admission import Admission
+from controller.admission import Admission, warn_if_hold_shorter_than_wait
 from controller.metrics import Metrics
 from controller.serve_config import ServeConfig, load_serve_config
 from scheduler.config import ConfigError
@@ -114,6 +114,8 @@ class ConfigReloader:
                 self._log.warning("config keys changed that only a restart applies",
                                   keys=restart, path=str(self.path))
             changed = new.policy != self.config.policy
+            if changed:
+                warn_if_hold_shorter_than_wait(self._log, self.config.limits, new.policy)
             self._file_config = new
             self.config = self.config.model_copy(update={"policy": new.policy})
             self.status.update(ok=True, error=None)

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from controller.admin_api import AdminApi
-from controller.admission import Admission, DirectiveSink
+from controller.admission import Admission, DirectiveSink, warn_if_hold_shorter_than_wait
 from controller.client_keys import load_client_keys
 from controller.config_reload import ConfigReloader
 from controller.directives import ZmqDirectiveSink
@@ -91,6 +91,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         parts.drain.open()
         log.info("gateway starting", policy=policy.name, workers=[w.name for w in config.workers],
                  config=str(config.path) if config.path else None)
+        warn_if_hold_shorter_than_wait(log, config.limits, config.policy)
         if client_keys is not None:  # their names only: keys are never logged
             log.info("client keys required", keys=[key.name for key in client_keys.keys])
         try:

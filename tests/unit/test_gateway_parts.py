@@ -7,7 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 
+from controller.admission import hold_shorter_than_wait, warn_if_hold_shorter_than_wait
 from controller.serve_config import ServeConfig, load_serve_config, parse_serve_config
 from controller.upstream import (
     ClientHeaders,
@@ -293,3 +296,22 @@ def test_a_hybrid_models_capacity_is_vllms_group_aware_figure_less_the_null_bloc
 def test_capacity_unknown_says_why(text, problem):
     with pytest.raises(CapacityUnknown, match=problem):
         capacity_from_metrics(text)
+
+
+@pytest.mark.parametrize("limits, policy, longest_wait", [
+    ({"max_hold_s": 120}, {"name": "program_aware", "max_wait_s": 60}, 135.0),  # stretch 2.25
+    ({"max_hold_s": 100}, {"name": "program_aware", "max_wait_s": 60, "max_wait_stretch": 1.5}, 90.0),
+    ({}, {"name": "program_aware"}, 135.0),                     # the defaults: 600 s > 135 s
+    ({"max_hold_s": 10}, {"name": "least_loaded"}, None),        # no wait of its own
+])
+def test_a_hold_shorter_than_the_policys_longest_wait_is_named(limits, policy, longest_wait):
+    config = parse_serve_config({"workers": [WORKER], "limits": limits, "policy": policy}, "s.yaml")
+    figures = hold_shorter_than_wait(config.limits, config.policy)
+    if longest_wait is None or config.limits.max_hold_s >= longest_wait:
+        assert figures is None
+        return
+    assert figures == {"max_hold_s": config.limits.max_hold_s, "max_wait_s": policy["max_wait_s"],
+                       "longest_wait_s": longest_wait}
+    with structlog.testing.capture_logs() as logs:
+        warn_if_hold_shorter_than_wait(structlog.get_logger(), config.limits, config.policy)
+    assert [line["longest_wait_s"] for line in logs if "max_hold_s" in line["event"]] == [longest_wait]
