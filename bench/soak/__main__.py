@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -32,11 +33,18 @@ def main(argv: list[str] | None = None) -> int:
         setup.validate()
     except ValueError as err:
         parser.error(str(err))
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the soak stops its workers and
+    # its gateway on the way out instead of leaving them running
+    signal.signal(signal.SIGTERM, _interrupt)
     summary = run_soak(setup, args.out)
     print(summary_markdown(summary))
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'summary.md'}, {args.out / 'rss.csv'}",
           file=sys.stderr)
     return 0 if summary["acceptance"]["passed"] else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ class SoakSetup:
     # A call with no answer after this long is lost (the gateway's own bounds, max_hold_s
     # and the hang fault, all end well before it).
     call_timeout_s: float = 300.0
+    # The policy's longest wait for a paused program, in workload time (the default's 60 s);
+    # the gateway's is this times time_scale, so that waits shrink with the calls and pauses
+    # they stand between (60 s of real time would be ten minutes of the scaled workload, and
+    # held calls, stretched by the oversubscription, would run into max_hold_s).
+    policy_max_wait_s: float = 60.0
     # The RSS baseline is taken this long into the run (capped at a third of a short run).
     rss_baseline_s: float = 600.0
     seed: int = 11
@@ -43,6 +48,10 @@ class SoakSetup:
             raise ValueError(f"unknown fault kinds {unknown}; known: {FAULT_KINDS}")
         if self.duration_s <= 0 or self.sessions <= 0 or self.workers <= 0 or self.fault_every_s <= 0:
             raise ValueError("duration, sessions, workers and the fault period must be > 0")
+
+    @property
+    def scaled_max_wait_s(self) -> float:
+        return self.policy_max_wait_s * self.time_scale
 
     @property
     def effective_rss_baseline_s(self) -> float:

@@ -144,7 +144,8 @@ class SoakFleet:
             # a held call gets a 503 well before the client would call it lost
             "limits": {"max_hold_s": 120.0},
             "workers": worker_entries,
-            "policy": {"name": "program_aware", "growth_reserve_tokens": 128, "max_wait_s": 60.0},
+            "policy": {"name": "program_aware", "growth_reserve_tokens": 128,
+                       "max_wait_s": setup.scaled_max_wait_s},
         }
         self._write_config()
         self.gateway = ManagedProcess("gateway", ["serve", "--config", str(self.config_path)],
@@ -161,7 +162,8 @@ class SoakFleet:
     def rewrite_policy(self) -> float:
         """Flip a policy threshold (the hot-reloadable section); the new max_wait_s."""
         self.reloads_written += 1
-        max_wait = 60.0 if self.reloads_written % 2 == 0 else 50.0
+        full = self.setup.scaled_max_wait_s
+        max_wait = full if self.reloads_written % 2 == 0 else round(full * 5 / 6, 3)
         self.config["policy"]["max_wait_s"] = max_wait
         self._write_config()
         return max_wait
