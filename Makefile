@@ -4,9 +4,10 @@
 #   make test    run the test suite
 #   make test-fast  the suite without its slow tiers (real vLLM, real clients, Ray, long runs):
 #                the edit-run loop, under 3 minutes on 2 cores
-#   make fuzz    the fuzz tier's long run: 100,000 inputs per target (tests/fuzz; hours on 2
-#                cores; FUZZ=tests/fuzz/<file>[::<test>] runs one target). `make test` runs
-#                the same targets with a few hundred inputs each
+#   make fuzz    the fuzz tier's long run: 100,000 inputs per target, FUZZ_JOBS targets at a
+#                time (tests/fuzz; about 6 CPU-hours in all, the longest target ~1.7 h;
+#                FUZZ=tests/fuzz/<file>[::<test>] runs one target). `make test` runs the same
+#                targets with a few hundred inputs each
 #   make bench   print BENCH <name> <value> <unit> lines (progress goes to stderr)
 #   make soak    1 hour, 512 agent sessions through the gateway on 4 simworkers, a fault every
 #                5 minutes (worker kill, hang, restart; gateway reload; bad input); summary in
@@ -51,10 +52,12 @@ test-fast: venv
 	$(VPY) -m pytest -q -m "not slow" tests
 
 # The profile is tests/fuzz/profiles.py's: random seeds, no deadline, failures kept in
-# .hypothesis/ so that the next run tries them first.
+# .hypothesis/ so that the next run tries them first. Targets run side by side, FUZZ_JOBS at a
+# time (default: the CPUs), each logged to .fuzz-logs/ (tests/fuzz/long_run.py).
 FUZZ ?= tests/fuzz
+FUZZ_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 fuzz: venv
-	SLUICE_FUZZ_PROFILE=long $(VPY) -m pytest -q -rxX --hypothesis-show-statistics $(FUZZ)
+	$(VPY) -m tests.fuzz.long_run --jobs $(FUZZ_JOBS) $(FUZZ)
 
 demo: venv
 	$(VENV)/bin/sluice demo
