@@ -7,8 +7,10 @@ the agent programs oversubscribe it about 2×), fits the engine model to all of 
 ``--duration`` seconds in closed loop and the simulator on the calibrated preset with the same
 programs, and writes prediction beside measurement: output tok/s, prefix-cache hit rate,
 re-prefill tokens, p99 call latency, the relative errors, and whether both shells rank the
-policies the same. Needs ``.venv-vllm`` (``make vllm-venv``); about 10 minutes on 2 cores for the
-four default policies at 120 s each (the workers' start and the calibration take about a minute).
+policies the same. Needs ``.venv-vllm`` (``make vllm-venv``); about 20 minutes on 2 cores for the
+seven default policies at 120 s each (the workers' start and the calibration take about a minute).
+Policies that price calls (vllm_router's cost models) take the calibrated preset's cost terms in
+both shells.
 
     .venv/bin/python -m experiments.real_vllm
     .venv/bin/python -m experiments.real_vllm --policies program_aware,kv_aware --duration 60 --out /tmp/rv
@@ -32,12 +34,13 @@ from experiments.real_vllm.report import report, verdict
 from experiments.real_vllm.shells import RunSetup, run_live, run_simulated_band
 from experiments.real_vllm.workload import WorkloadShape
 from sim.preset_file import read_preset_file
+from sim.runs import preset_policy_costs
 from tests.support.parity import Comparison
 from tests.support.vllm_fleet import BLOCK_SIZE, Fleet
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_DIR = REPO / "experiments" / "results" / "real_vllm"
-DEFAULT_POLICIES = "program_aware,kv_aware,least_loaded,thunderagent"
+DEFAULT_POLICIES = "program_aware,vllm_router,sticky_kv,mori,kv_aware,least_loaded,thunderagent"
 # vLLM's defaults for its OpenAI server on CPU (vllm/engine/arg_utils.py), which the
 # calibrated preset must carry for the simulator's engines to batch as vLLM's do
 CPU_MAX_NUM_SEQS = 128
@@ -106,6 +109,7 @@ def main(policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated po
                 typer.echo("calibrating every worker at once (sluice calibrate --grid full)", err=True)
                 typer.echo(calibrate(fleet, preset_file), err=True)
             model = read_preset_file(preset_file)
+            setup = dataclasses.replace(setup, policy_costs=preset_policy_costs(model, preset_file))
             for number, policy in enumerate(chosen):
                 typer.echo(f"[{time.monotonic() - started:.0f} s] {policy}: live {duration:g} s", err=True)
                 live = run_live(setup, policy, fleet, label=f"{policy}-{number}")
@@ -125,7 +129,8 @@ def main(policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated po
         "setup": {"seed": seed, "workers": workers, "blocks": blocks, "block_size": BLOCK_SIZE,
                   "concurrency": concurrency, "duration_s": duration, "ramp_s": setup.ramp_s,
                   "scheduling_policy": setup.scheduling_policy,
-                  "growth_reserve_tokens": growth_reserve_tokens, "shape": dataclasses.asdict(setup.shape)},
+                  "growth_reserve_tokens": growth_reserve_tokens, "shape": dataclasses.asdict(setup.shape),
+                  "policy_costs": dict(setup.policy_costs)},
         "preset_file": str(preset_file), "verdict": verdict(comparisons),
         "comparisons": [comparison.summary() for comparison in comparisons]}, indent=1, default=str) + "\n")
     typer.echo(text)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ import anyio
 import httpx
 
 from experiments.real_vllm.workload import AgentProgram, AgentWorkload, WorkloadShape
+from scheduler.config_reading import make_policy_config
+from sim.runs import policy_costs_taken
 from sim.step_time import StepTimeModel
 from tests.support.parity import (
     ADMIN_TOKEN,
@@ -55,9 +57,14 @@ class RunSetup:
     shape: WorkloadShape
     scheduling_policy: str
     growth_reserve_tokens: int
+    # The calibrated preset's cost terms (sim/runs.py preset_policy_costs): a policy that
+    # prices calls (vllm_router's cost models, autellix, continuum) takes them in both
+    # shells, as `sluice sim --preset-file` gives them; the others have no such keys.
+    policy_costs: Mapping[str, float] = field(default_factory=dict)
 
     def policy_section(self, policy: str) -> dict[str, Any]:
-        return {"name": policy, "growth_reserve_tokens": self.growth_reserve_tokens}
+        section = {"name": policy, "growth_reserve_tokens": self.growth_reserve_tokens}
+        return {**section, **policy_costs_taken(make_policy_config(section), self.policy_costs)}
 
 
 # -- live --------------------------------------------------------------------------------------
