@@ -16,21 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import anyio
 import pytest
 
-from controller.gateway import create_app
-from controller.serve_config import ConfigError
 from tests.support.fake_vllm import FakeState, create_fake
-from tests.support.gateway_harness import (
-    ADMIN,
-    LogSink,
-    ServerThread,
-    chat,
-    gateway,
-    serve_config,
-    wait_for,
-)
+from tests.support.gateway_harness import (ADMIN, ServerThread, chat, gateway, serve_config,
+                                           startup_error, wait_for)
 
 # vLLM 0.32 checks --api-key on these path prefixes only (entrypoints/serve/middleware/
 # authenticate.py GUARDED_PREFIX)
@@ -185,23 +175,6 @@ def test_admin_api_resolves_a_host_name_and_checks_every_address():
     assert late.seen_on("/health")
 
 
-def _startup_error(config) -> str:
-    """The error that stops ``config``'s gateway from starting (its lifespan run alone)."""
-    app = create_app(config, log_stream=LogSink())
-
-    async def start() -> None:
-        async with app.router.lifespan_context(app):
-            pass
-
-    with pytest.raises(BaseException) as failed:
-        anyio.run(start)
-    found = failed.value
-    while isinstance(found, BaseExceptionGroup):
-        found = found.exceptions[0]
-    assert isinstance(found, ConfigError), repr(failed.value)
-    return str(found)
-
-
 def test_gateway_does_not_start_with_a_configured_worker_it_may_not_reach(monkeypatch):
     monkeypatch.delenv("SLUICE_TEST_UNSET_KEY", raising=False)
     config = serve_config(
@@ -209,7 +182,7 @@ def test_gateway_does_not_start_with_a_configured_worker_it_may_not_reach(monkey
          {"name": "keyed", "url": "http://10.0.0.1:9", "capacity_tokens": 1000,
           "api_key_env": "SLUICE_TEST_UNSET_KEY"}],
         worker_urls={"networks": ["10.0.0.0/8"]})
-    message = _startup_error(config)
+    message = startup_error(config)
     assert "workers.0.url: 'http://localhost:9': 'localhost' resolves to 127.0.0.1" in message
     assert "workers.1.api_key_env: the environment variable SLUICE_TEST_UNSET_KEY is not set" in message
 

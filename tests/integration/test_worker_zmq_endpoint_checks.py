@@ -21,22 +21,20 @@ import stat
 import time
 from pathlib import Path
 
-import anyio
 import pytest
 import yaml
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from controller.gateway import create_app
 from controller.kv_wire import attach, prepare_socket
 from controller.serve_config import ConfigError, load_serve_config, parse_serve_config
 from controller.zmq_keys import GatewayZmqKeys
 from scheduler.kv_events import AllBlocksCleared
 from simworker.kv_publisher import KvEventPublisher
 from sluice_vllm_plugin.zmq_auth import ServerKeys, set_server_options, write_key_pair
-from tests.support.gateway_harness import (ADMIN, ADMIN_TOKEN, LogSink, fakes, gateway,
-                                           serve_config, wait_for)
+from tests.support.gateway_harness import (ADMIN, ADMIN_TOKEN, fakes, gateway, serve_config,
+                                           startup_error, wait_for)
 from tests.support.zmq_handshake import HANDSHAKE_FAILED
 
 WAIT_S = 30.0  # generous: the machine may be loaded
@@ -104,29 +102,12 @@ def test_admin_api_refuses_a_zmq_endpoint_naming_its_key(key, endpoint, why):
             assert r.status_code == 201, r.text
 
 
-def _startup_error(config) -> str:
-    """The error that stops ``config``'s gateway from starting (its lifespan run alone)."""
-    app = create_app(config, log_stream=LogSink())
-
-    async def start() -> None:
-        async with app.router.lifespan_context(app):
-            pass
-
-    with pytest.raises(BaseException) as failed:
-        anyio.run(start)
-    found = failed.value
-    while isinstance(found, BaseExceptionGroup):
-        found = found.exceptions[0]
-    assert isinstance(found, ConfigError), repr(failed.value)
-    return str(found)
-
-
 def test_gateway_does_not_start_with_an_endpoint_whose_name_resolves_outside():
     config = serve_config(
         [{"name": "w0", "url": "http://10.0.0.1:9", "capacity_tokens": 1000,
           "kv_events": "tcp://localhost:5557", "replay": "tcp://10.0.0.1:5558"}],
         worker_urls={"networks": ["10.0.0.0/8"]})
-    message = _startup_error(config)
+    message = startup_error(config)
     assert "workers.0.kv_events: 'tcp://localhost:5557': 'localhost' resolves to 127.0.0.1" \
         in message, message
 

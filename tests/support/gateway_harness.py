@@ -12,11 +12,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import anyio
 import httpx
+import pytest
 import uvicorn
 
 from controller.gateway import create_app
 from controller.serve_config import ServeConfig, parse_serve_config
+from scheduler.config import ConfigError
 from tests.support.fake_vllm import FakeState, create_fake
 
 ADMIN_TOKEN = "test-admin-token-123"
@@ -161,3 +164,21 @@ def applier_stalled(gw: "Gateway", release_timeout_s: float = 5.0) -> Iterator[N
     finally:
         release.set()
         held.result(release_timeout_s)
+
+
+def startup_error(config: ServeConfig) -> str:
+    """The ConfigError that stops ``config``'s gateway from starting (its lifespan run alone,
+    no listener)."""
+    app = create_app(config, log_stream=LogSink())
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(BaseException) as failed:
+        anyio.run(start)
+    found = failed.value
+    while isinstance(found, BaseExceptionGroup):
+        found = found.exceptions[0]
+    assert isinstance(found, ConfigError), repr(failed.value)
+    return str(found)
