@@ -72,10 +72,11 @@ class FuzzGateway:
         assert r.status_code == 200, r.text
         return {w["name"]: w for w in r.json()["workers"]}
 
-    def release_all(self) -> None:
-        """End every program, through the admin API, so one input's programs do not pile up
-        over a long run (they would reach limits.max_programs)."""
-        for program in self.programs():
+    def release_all(self, programs: list[dict] | None = None) -> None:
+        """End every program (``programs``, as :meth:`programs` listed them, or all listed
+        now), through the admin API, so one input's programs do not pile up over a long run
+        (they would reach limits.max_programs)."""
+        for program in self.programs() if programs is None else programs:
             session = program["session_id"]
             r = self.client.post(f"/sluice/programs/{quote(session, safe='')}/release",
                                  headers=ADMIN)

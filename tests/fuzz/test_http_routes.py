@@ -81,9 +81,10 @@ def assert_settled(gw: FuzzGateway) -> None:
     """Nothing held or in flight, every program idle and releasable, and still serving."""
     left = gw.nothing_held()
     assert not left, left
-    for program in gw.programs():
+    programs = gw.programs()
+    for program in programs:
         assert program["in_flight"] == 0 and program["waiting"] == 0, program
-    gw.release_all()
+    gw.release_all(programs)
     assert gw.client.get("/health").status_code == 200
 
 
@@ -196,8 +197,9 @@ def restore_fleet(gw: FuzzGateway) -> None:
         if added.status_code != 201:
             print(gw.log.tail())  # what led to it, shown with the failure
         assert added.status_code == 201, added.text
-    woken = gw.client.post(f"/sluice/workers/{WORKER}/wake", headers=ADMIN)
-    assert woken.status_code == 200, woken.text
+    if WORKER not in workers or workers[WORKER]["mode"] != "serving":
+        woken = gw.client.post(f"/sluice/workers/{WORKER}/wake", headers=ADMIN)
+        assert woken.status_code == 200, woken.text
 
 
 @fuzz_settings(short_examples=60)
