@@ -24,7 +24,7 @@ OPTIONAL_EXTRAS := ray
 # Rebuilt when the dependency list changes; otherwise `make venv` is a no-op.
 STAMP  := $(VENV)/.sluice-installed
 
-.PHONY: venv vllm-venv test test-fast fuzz demo bench soak clean distclean
+.PHONY: venv vllm-venv proxy test test-fast fuzz demo bench soak clean distclean
 
 venv: $(STAMP)
 
@@ -44,7 +44,12 @@ $(STAMP): pyproject.toml
 vllm-venv:
 	bash scripts/setup_vllm_venv.sh
 
-test: venv vllm-venv
+# nginx, the proxy the sharded-gateway configuration (ops/nginx/) is tested with: installed
+# from the system's packages where this runs as root (CI); elsewhere its tests skip.
+proxy:
+	@bash scripts/setup_proxy.sh
+
+test: venv vllm-venv proxy
 	$(VPY) -m pytest -q tests
 
 # What is slow is listed in tests/conftest.py; no vLLM needed.
