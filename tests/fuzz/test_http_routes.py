@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.support.gateway_harness import ADMIN, ADMIN_TOKEN
 
 from controller.errors import is_anthropic_route
-from tests.fuzz.gateway_fixture import WORKER, FuzzGateway, fuzz_gateway, simworker
+from tests.fuzz.gateway_fixture import WORKER, FuzzGateway, fuzz_gateway, path_segment, simworker
 from tests.fuzz.profiles import fuzz_settings
 from tests.fuzz.strategies import (
     HEADER_VALUES,
@@ -187,7 +187,7 @@ def restore_fleet(gw: FuzzGateway) -> None:
     for name in workers:
         if name == WORKER:
             continue
-        path = f"/sluice/workers/{quote(name, safe='')}"
+        path = f"/sluice/workers/{path_segment(name)}"
         drained = gw.client.post(path + "/drain", headers=ADMIN)
         assert drained.status_code == 200, (drained.text, gw.log.tail())
         removed = gw.client.delete(path, headers=ADMIN)
@@ -264,3 +264,14 @@ def test_the_last_worker_removed_can_join_again(gw):
         "model": "sluice-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200, ok.text
     assert_settled(gw)
+
+
+def test_a_program_whose_id_holds_a_percent_sign_is_released(gw):
+    """Found by the proxied-routes target: ``2,%bd`` could not be released through the
+    TestClient, which decodes a path twice (gateway_fixture.path_segment)."""
+    ok = gw.client.post("/v1/chat/completions", headers={"x-session-id": "2,%bd"}, json={
+        "model": "sluice-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text
+    assert [p["session_id"] for p in gw.programs()] == ["2,%bd"]
+    assert_settled(gw)
+    assert gw.programs() == []

@@ -333,6 +333,11 @@ def test_operator_release(fleet):
     assert r.status_code == 200 and r.json() == {"released": "a/b c"}
     assert "a/b c" not in gw.programs()
     assert gw.client.post("/sluice/programs/nobody/release", headers=ADMIN).status_code == 404
+    # a percent sign in the id is decoded once, not twice (the fuzz tier's TestClient decodes
+    # twice: tests/fuzz/gateway_fixture.py path_segment)
+    gw.client.post("/v1/chat/completions", json=chat(), headers={"x-session-id": "2,%bd"})
+    r = gw.client.post("/sluice/programs/2%2C%25bd/release", headers=ADMIN)
+    assert r.status_code == 200 and r.json() == {"released": "2,%bd"}, r.text
 
 
 def test_stream_broken_by_the_worker_ends_with_an_error_event(fleet):
