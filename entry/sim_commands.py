@@ -108,6 +108,11 @@ def sim(
     kv_offload_gib: KvOffloadOption = 0.0,
     host_tier: HostTierOption = False,
     scheduling_policy: SchedulingPolicyOption = DEFAULT_SCHEDULING_POLICY,
+    shards: int = typer.Option(1, "--shards", min=1,
+                               help="Gateways the workers are split between (worker i to gateway "
+                                    "i mod K), each with its own policy, every program on the one "
+                                    "its root session hashes to, as behind ops/nginx/ "
+                                    "(architecture.md §8). The ceiling stays one gateway."),
 ) -> None:
     """Simulate a synthetic agent workload under each policy and compare them."""
     names = _policies(policy)
@@ -116,6 +121,8 @@ def sim(
     policy_config = _policy_config(config_path)
     if workload not in WORKLOADS:
         raise usage_error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    if shards > workers:
+        raise usage_error(f"--shards {shards} needs at least as many --workers, got {workers}")
     costs = policy_costs(model, preset_file, policy_config, names)
     results = run_policies(
         names, lambda: workload_feed(workload, concurrency, seed), workers=workers,
@@ -123,11 +130,12 @@ def sim(
         stop_when_done=ends_with_its_programs(workload),
         ceiling=ceiling, policy_config=policy_config,
         kv_offload_gib=_host_tier_gib(model, kv_offload_gib, host_tier),
-        scheduling_policy=scheduling_policy, policy_costs=costs,
+        scheduling_policy=scheduling_policy, policy_costs=costs, shards=shards,
     )
     typer.echo(format_table(with_ceiling_ratio([r.summary() for r in results])))
     if json_path is not None:
         config = {"command": command_line(), "workload": workload, "concurrency": concurrency,
+                  "shards": shards,
                   "workers": workers, **preset_record(model, preset_file), "duration_s": duration,
                   "seed": seed, "block_size": block_size, "policies": names, "ceiling": ceiling,
                   "kv_offload_gib": _host_tier_gib(model, kv_offload_gib, host_tier),

@@ -18,6 +18,7 @@ from sim.feeds import Batches, ClosedLoop, OpenLoop, ProgramFeed
 from sim.programs import ProgramSpec
 from sim.report import Progress
 from sim.simulation import SimResult, Simulation
+from sim.shards import ShardedPolicy
 from sim.step_time import PresetSpec, StepTimeModel, model_of, policy_cost_terms, vllm_router_cost_terms
 
 # The simulator's default block size. vLLM's GPU default is 16; 64 gives the same hit and
@@ -121,6 +122,7 @@ def run_policies(
     kv_offload_gib: float = 0.0,
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
     policy_costs: Mapping[str, float] | None = None,
+    shards: int = 1,
 ) -> list[SimResult]:
     """One result per policy, in order; with ``ceiling``, a last result named
     :data:`CEILING`: the same programs with unlimited KV (see :data:`CEILING_KV_FACTOR`).
@@ -131,7 +133,14 @@ def run_policies(
     ``scheduling_policy`` is every engine's vLLM ``--scheduling-policy`` (the ceiling's too).
     ``preset`` is a named preset or a model (one read from a preset file). ``policy_costs``
     (:func:`~sim.step_time.policy_cost_terms` of the preset) sets the cost terms of each
-    policy that has them and whose config leaves them unset (:func:`policy_costs_taken`)."""
+    policy that has them and whose config leaves them unset (:func:`policy_costs_taken`).
+    ``shards`` > 1 splits the workers between that many gateways, each with its own policy,
+    every program on the one its root session hashes to (:class:`~sim.shards.ShardedPolicy`);
+    the ceiling stays one gateway."""
+    if shards < 1:
+        raise ValueError(f"shards must be ≥ 1, got {shards}")
+    if shards > workers:
+        raise ValueError(f"{shards} shards need at least as many workers, got {workers}")
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {scheduling_policy!r}")
@@ -151,6 +160,8 @@ def run_policies(
             policy_for_run = policy_for_run.model_copy(update=host_tier_taken(
                 policy_for_run, host_tier_tokens(model, block_size)))
         policy = make_policy(policy_for_run)
+        if shards > 1 and shown != CEILING:
+            policy = ShardedPolicy([policy] + [make_policy(policy_for_run) for _ in range(shards - 1)])
         progress = Progress(f"{label}{shown}") if show_progress else None
         simulation = Simulation(policy, feed_for(), workers=workers, model=model,
                                 duration_s=duration_s, block_size=block_size,
