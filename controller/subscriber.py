@@ -63,6 +63,13 @@ and feeds them, in seq order, to ``policy.observe_kv`` under the admission lock.
   replay when its first batch is not seq 0 (Sluice started after the engine, or the SUB
   joined late): what the buffer still holds is applied, and nothing counts as lost, since
   the index holds nothing of that stream yet.
+- **At start**, a worker with ``replay`` is caught up before its first live batch: its
+  applier first asks the replay socket for everything from seq 0 (:meth:`KvEventSubscriber.
+  _catch_up`). A gateway that restarts, or a worker added live, then knows where each
+  program's KV is before any program calls again, even on an engine that publishes nothing
+  until it is sent work. Live batches the SUB queued meanwhile at or below the last seq
+  replayed are the same batches, skipped; the first one past it ends that window (within it,
+  only an epoch tells an engine restart from them, as below).
 - A message that does not decode is counted (``undecodable``) and dropped before its seq, rank
   or epoch is trusted: no gap, no restart, no reset (if it was the engine's, the next batch
   shows the gap). Only the replay's copy, the engine's own, not decoding loses the batch: a
@@ -97,7 +104,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -111,6 +117,7 @@ from controller.kv_wire import (MAX_MESSAGE_BYTES, RankPeek, ReplayError, attach
                                 offset_endpoint, prepare_bound_socket, prepare_socket,
                                 publisher_epoch, reconnect_when_lost, replay_from,
                                 worker_from_topic)
+from controller.kv_streams import KvEventStats, KvSource, Stream
 from controller.serve_config import ServeConfig, WorkerConfig
 from controller.zmq_keys import GatewayZmqKeys
 from scheduler.kv_events import EventBatch, EventBatchDecoder
@@ -133,66 +140,6 @@ BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 # A loop that ran this long before failing starts over at the shortest backoff.
 BACKOFF_RESET_AFTER_S = 30.0
-
-
-@dataclass(slots=True)
-class KvEventStats:
-    """Counters of one index key (a worker of the fleet), read by the metrics collector."""
-
-    received: int = 0
-    applied: int = 0
-    replayed: int = 0
-    dropped: int = 0
-    gaps_repaired: int = 0
-    # events of a type this version does not know (a newer engine's), skipped; the rest of
-    # their batch is applied
-    events_skipped: int = 0
-    undecodable: int = 0  # batches (live or replayed) that do not decode, dropped
-    resets: dict[str, int] = field(default_factory=dict)
-    last_seq: dict[int, int] = field(default_factory=dict)  # rank -> seq last applied
-
-
-class _Stream:
-    """One publisher's seq stream: (worker, data-parallel rank)."""
-
-    __slots__ = ("worker", "rank", "index_key", "replay", "expected", "fresh", "epoch",
-                 "pending_reset", "resets")
-
-    def __init__(self, worker: str, rank: int, index_key: str, replay: str | None) -> None:
-        self.worker = worker
-        self.rank = rank
-        self.index_key = index_key
-        self.replay = replay
-        self.expected = 0
-        # Nothing of this stream has been applied since its index key was last emptied, so
-        # batches missing before the next one applied cost nothing (catch-up, not a gap).
-        self.fresh = True
-        self.epoch: bytes | None = None
-        # Another stream reset the index key this one feeds: catch up from seq 0.
-        self.pending_reset = False
-        self.resets = 0
-
-
-class KvSource:
-    """One worker's queue and applier; the streams of its ranks (what
-    :meth:`KvEventSubscriber.add` returns and :meth:`KvEventSubscriber.run_source` runs)."""
-
-    def __init__(self, worker: WorkerConfig, bound: bool, hwm: int) -> None:
-        self.worker = worker
-        self.name = worker.name
-        self.bound = bound  # fed from the kv_events_bind socket
-        self.hwm = hwm
-        self.send, self.receive = anyio.create_memory_object_stream[tuple](max_buffer_size=hwm)
-        self.enqueued = 0   # batches put on the queue so far (the next one's position)
-        self.queued_bytes = 0  # payload bytes of the batches on the queue now
-        self.dropping = 0   # batches dropped since the queue last accepted one
-        # rank -> (seq, queue position at the time) of the latest batch dropped
-        self.drops: dict[int, tuple[int, int]] = {}
-        self.streams: dict[int, _Stream] = {}
-
-    @property
-    def queued(self) -> int:
-        return self.receive.statistics().current_buffer_used
 
 
 class KvEventSubscriber:
@@ -420,6 +367,7 @@ class KvEventSubscriber:
     # -- applying --------------------------------------------------------------------------
 
     async def _apply_loop(self, source: KvSource) -> None:
+        await self._catch_up(source)
         while True:
             item = await source.receive.receive()
             source.queued_bytes -= len(item[2])
@@ -441,6 +389,10 @@ class KvEventSubscriber:
                 await self._reset(stream, "epoch_changed", seq=seq)
                 self._forget_drops(source, rank, position)
             stream.epoch = epoch
+        if stream.caught_up_to is not None:
+            if seq <= stream.caught_up_to:
+                return  # applied by the catch-up at start (invariant 1)
+            stream.caught_up_to = None
         if seq < stream.expected:
             await self._reset(stream, "seq_backwards", seq=seq, expected=stream.expected)
             self._forget_drops(source, rank, position)
@@ -466,9 +418,21 @@ class KvEventSubscriber:
         if drop is not None and drop[1] <= position:
             del source.drops[rank]
 
-    async def _repair(self, stream: _Stream, upto: int) -> None:
-        """Apply the stream's batches ``[expected, upto]`` from the replay socket; reset the
-        index when they are not all there (unless the stream is fresh)."""
+    async def _catch_up(self, source: KvSource) -> None:
+        """Before any live batch: the worker's stream (rank 0) caught up from seq 0 to the end
+        of its replay buffer, when it has ``replay`` and nothing of it is applied yet."""
+        if source.worker.replay is None:
+            return
+        stream = await self._stream(source, 0)
+        if stream.fresh:
+            await self._repair(stream, None)
+            if not stream.fresh:
+                stream.caught_up_to = stream.expected - 1
+
+    async def _repair(self, stream: Stream, upto: int | None) -> None:
+        """Apply the stream's batches ``[expected, upto]`` (``upto`` None: to the end of the
+        buffer) from the replay socket; reset the index when they are not all there (unless
+        the stream is fresh)."""
         needed = stream.expected
         was_fresh = stream.fresh
         resets = stream.resets
@@ -484,7 +448,7 @@ class KvEventSubscriber:
                                        self._replay_timeout_s, keys) as next_batch:
                     while (got := await next_batch()) is not None:
                         seq, payload = got
-                        if seq > upto:
+                        if upto is not None and seq > upto:
                             break  # the queue holds the rest
                         if seq < stream.expected:
                             continue
@@ -505,7 +469,7 @@ class KvEventSubscriber:
                 if not stream.fresh:
                     await self._reset(stream, "replay_failed", endpoint=stream.replay,
                                       needed=stream.expected, problem=problem)
-        if stream.expected <= upto:  # the replay ended before the gap did
+        if upto is not None and stream.expected <= upto:  # the replay ended before the gap did
             if not stream.fresh:  # invariant 2
                 await self._reset(stream, "gap_beyond_replay", needed=stream.expected, upto=upto)
             stream.expected = upto + 1
@@ -522,7 +486,7 @@ class KvEventSubscriber:
             self._log.debug("KV-event gap repaired from replay", worker=stream.index_key,
                             rank=stream.rank, from_seq=needed, to_seq=upto)
 
-    async def _apply(self, stream: _Stream, seq: int, batch: EventBatch, replayed: bool) -> None:
+    async def _apply(self, stream: Stream, seq: int, batch: EventBatch, replayed: bool) -> None:
         stats = self.stats.get(stream.index_key)
         if stats is None:
             return  # its index key left the fleet: the stream moves on at its next batch
@@ -537,7 +501,7 @@ class KvEventSubscriber:
             stats.replayed += 1
         stats.last_seq[stream.rank] = seq
 
-    async def _reset(self, stream: _Stream, reason: str, **context: Any) -> None:
+    async def _reset(self, stream: Stream, reason: str, **context: Any) -> None:
         """Empty the index of ``stream``'s worker. The stream starts over (fresh, at seq 0;
         the caller moves it on); every other stream feeding that index catches up from its
         replay at its next batch."""
@@ -549,6 +513,7 @@ class KvEventSubscriber:
         stream.resets += 1
         stream.expected = 0
         stream.fresh = True
+        stream.caught_up_to = None
         for source in self._sources.values():
             for other in source.streams.values():
                 if other is not stream and other.index_key == key:
@@ -562,11 +527,12 @@ class KvEventSubscriber:
             await self._reset(stream, "subscriber_error")
 
     @staticmethod
-    def _take_pending(stream: _Stream) -> None:
+    def _take_pending(stream: Stream) -> None:
         if stream.pending_reset:
             stream.pending_reset = False
             stream.expected = 0
             stream.fresh = True
+            stream.caught_up_to = None
 
     # -- streams and replay ----------------------------------------------------------------
 
@@ -577,7 +543,7 @@ class KvEventSubscriber:
                 return name
         return source.name
 
-    async def _stream(self, source: KvSource, rank: int) -> _Stream:
+    async def _stream(self, source: KvSource, rank: int) -> Stream:
         key = self._index_key(source, rank)
         stream = source.streams.get(rank)
         if stream is not None and stream.index_key == key:
@@ -593,5 +559,5 @@ class KvEventSubscriber:
             await self._reset(stream, "rank_rerouted", rank_worker=key)
         # New, or moved to another index key, which holds nothing of this rank yet: caught
         # up from seq 0 by replay.
-        stream = source.streams[rank] = _Stream(source.name, rank, key, replay)
+        stream = source.streams[rank] = Stream(source.name, rank, key, replay)
         return stream

@@ -138,6 +138,26 @@ def test_simworker_events_reach_the_gateway_index():
 # -- gaps, restarts, layouts, floods --------------------------------------------------------------
 
 
+def test_a_worker_is_caught_up_from_its_replay_at_start_before_any_live_batch():
+    """A gateway that starts after its engine has published (a restart) knows the engine's
+    KV before the engine publishes again: the catch-up runs at start, not at the first live
+    batch. Batches published meanwhile are applied once, with no reset."""
+    work = Workload(seed=4)
+    with publisher() as pub:
+        for _ in range(12):
+            pub.publish(work.batch())
+        with gateway_for([worker_entry("w1", pub)]) as gw:
+            applied_through(gw, "w1", 11)
+            assert index_of(gw, "w1") == baseline(pub.history)
+            assert stats(gw, "w1").replayed == 12 and stats(gw, "w1").received == 0
+            for _ in range(8):
+                pub.publish(work.batch())
+            applied_through(gw, "w1", pub.next_seq - 1)
+            assert index_of(gw, "w1") == baseline(pub.history)
+            s = stats(gw, "w1")
+            assert not s.resets and s.applied == 20, s
+
+
 def test_a_gap_is_repaired_from_replay_to_the_no_gap_index():
     work = Workload(seed=1)
     with publisher() as pub, gateway_for([worker_entry("w1", pub)]) as gw:
@@ -265,6 +285,8 @@ def test_a_flood_beyond_the_queue_is_dropped_counted_and_repaired():
         # the flood ended with dropped batches that no later batch reveals: the drained
         # queue triggers their repair all the same
         applied_through(gw, "w1", pub.next_seq - 1)
+        # the repair counts itself once its replay has ended, a moment after its last batch
+        wait_for(lambda: stats(gw, "w1").gaps_repaired >= 1, what="the repair to be counted")
         assert index_of(gw, "w1") == baseline(pub.history)
         s = stats(gw, "w1")
         assert s.dropped == dropped and s.replayed >= dropped
