@@ -151,6 +151,17 @@ def test_sim_rejects_unknown_names_with_status_2(runner, tmp_path, option, value
     assert "Traceback" not in result.output
 
 
+def test_sim_shards_runs_the_split_fleet_and_records_k(runner, tmp_path):
+    out = tmp_path / "shards.json"
+    result = invoke(runner, "sim", "--concurrency", 8, "--workers", 4, "--duration", 60,
+                    "--policy", "program_aware", "--shards", 2, "--json", out)
+    assert result.exit_code == 0, result.output
+    doc = assert_results(out, ["program_aware", "ceiling"])
+    assert doc["config"]["shards"] == 2
+    refused = invoke(runner, "sim", "--duration", 10, "--workers", 2, "--shards", 3)
+    assert_error(refused, "--shards 3 needs at least as many --workers, got 2")
+
+
 # -- replay -----------------------------------------------------------------------------
 
 
