@@ -3,8 +3,9 @@
 Two simworkers publish KV events (with a replay socket) and run a few agent programs behind
 a first gateway, which then stops. A second gateway, fresh, starts on the same workers: it
 has no programs and no held calls, but its KV index is caught up from each worker's replay
-socket, so each program's next call goes to the worker that still holds its KV and is
-served from its cache, as if the gateway had never gone away.
+socket before any call (the workers publish nothing meanwhile: every call they had came
+through the first gateway), and each program's next call goes to the worker that still
+holds its KV and is served from its cache.
 """
 
 from __future__ import annotations
