@@ -250,8 +250,10 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
     moved = {key for key in roots if after[key] != before[key]}
     assert all(after[key] == address(third) for key in moved), \
         {key: (before[key], after[key]) for key in moved if after[key] != address(third)}
-    # about a third of them move (ketama: 160 points per server); none and all are both wrong
-    assert 0 < len(moved) <= len(roots) // 2, len(moved)
+    # about a third of them move (ketama: 160 points per server, so the new gateway's share
+    # is a third give or take a few points, and the ports are new each run); none, or most,
+    # would be a hash that is not consistent
+    assert 0 < len(moved) < len(roots) * 2 // 3, len(moved)
     assert moved <= set(third.programs()), moved - set(third.programs())
 
     # gateway a stops: its programs' calls get the proxy's JSON 502, the others still run
