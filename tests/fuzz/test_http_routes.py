@@ -266,12 +266,14 @@ def test_the_last_worker_removed_can_join_again(gw):
     assert_settled(gw)
 
 
-def test_a_program_whose_id_holds_a_percent_sign_is_released(gw):
+@pytest.mark.parametrize("session", ["2,%bd", ".", ".."])
+def test_a_program_whose_id_is_awkward_in_a_path_is_released(gw, session):
     """Found by the proxied-routes target: ``2,%bd`` could not be released through the
-    TestClient, which decodes a path twice (gateway_fixture.path_segment)."""
-    ok = gw.client.post("/v1/chat/completions", headers={"x-session-id": "2,%bd"}, json={
+    TestClient, which decodes a path twice, nor ``.``, a dot segment every client drops
+    from a path (gateway_fixture.path_segment)."""
+    ok = gw.client.post("/v1/chat/completions", headers={"x-session-id": session}, json={
         "model": "sluice-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200, ok.text
-    assert [p["session_id"] for p in gw.programs()] == ["2,%bd"]
+    assert [p["session_id"] for p in gw.programs()] == [session]
     assert_settled(gw)
     assert gw.programs() == []

@@ -338,6 +338,10 @@ def test_operator_release(fleet):
     gw.client.post("/v1/chat/completions", json=chat(), headers={"x-session-id": "2,%bd"})
     r = gw.client.post("/sluice/programs/2%2C%25bd/release", headers=ADMIN)
     assert r.status_code == 200 and r.json() == {"released": "2,%bd"}, r.text
+    # a program named "." is released as %2E: a literal dot segment never reaches the route
+    gw.client.post("/v1/chat/completions", json=chat(), headers={"x-session-id": "."})
+    r = gw.client.post("/sluice/programs/%2E/release", headers=ADMIN)
+    assert r.status_code == 200 and r.json() == {"released": "."}, r.text
 
 
 def test_stream_broken_by_the_worker_ends_with_an_error_event(fleet):
