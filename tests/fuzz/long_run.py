@@ -51,7 +51,9 @@ def run_target(node: str, logs: Path, started: float) -> bool:
             stdout=handle, stderr=subprocess.STDOUT,
             env={**os.environ, PROFILE_VARIABLE: "long"}, check=False).returncode
     counts = _PASSING.findall(log.read_text(errors="replace"))
-    inputs = ", ".join(f"{passing} passing {failing} failing" for passing, failing in counts) or "not a Hypothesis target"
+    # Hypothesis prints its counts only for a target that ends without an error
+    inputs = (", ".join(f"{passing} passing {failing} failing" for passing, failing in counts)
+              or ("no input counts (the log has the failing input)" if status else "not a Hypothesis target"))
     verdict = "passed" if status == 0 else f"FAILED (exit {status}; see {log})"
     _say(started, f"{verdict}: {node}: {inputs}, {(time.monotonic() - begun) / 60:.1f} min")
     return status == 0
