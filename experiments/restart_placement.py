@@ -14,17 +14,14 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.integration.test_gateway_restart import PROGRAMS, fleet, turn
+from tests.integration.test_gateway_restart import PROGRAMS, first_gateway_run, fleet, turn
 from tests.support.gateway_harness import gateway, serve_config
 
 
 def main() -> None:
     with fleet() as entries:
         config = serve_config(entries, capacity_retry_s=0.05)
-        with gateway(config) as first:
-            for program in PROGRAMS:
-                turn(first, program, 1)
-            homes = {program: view["home_worker"] for program, view in first.programs().items()}
+        homes = first_gateway_run(config)
         with gateway(config) as second:
             time.sleep(2.0)
             with ThreadPoolExecutor(len(PROGRAMS)) as pool:

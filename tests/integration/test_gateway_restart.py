@@ -62,13 +62,18 @@ def turn(gw, program: str, turns: int) -> dict:
     return answer.json()["usage"]
 
 
+def first_gateway_run(config) -> dict[str, str]:
+    """A first gateway runs one turn of each program, then stops: each program's home."""
+    with gateway(config) as first:
+        for program in PROGRAMS:
+            turn(first, program, 1)
+        return {program: view["home_worker"] for program, view in first.programs().items()}
+
+
 def test_a_restarted_gateway_sends_each_program_back_to_the_worker_holding_its_kv():
     with fleet() as entries:
         config = serve_config(entries, capacity_retry_s=0.05)
-        with gateway(config) as first:
-            for program in PROGRAMS:
-                turn(first, program, 1)
-            homes = {program: view["home_worker"] for program, view in first.programs().items()}
+        homes = first_gateway_run(config)
         # the first gateway's programs were spread over both workers, or the test shows nothing
         assert set(homes) == set(PROGRAMS) and set(homes.values()) == {"sim0", "sim1"}, homes
 
