@@ -44,7 +44,8 @@ def nginx_binary() -> str | None:
     chosen = os.environ.get("SLUICE_NGINX")
     if chosen:
         return chosen
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+    # Debian puts nginx in /usr/sbin, which a non-root PATH often leaves out
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 
 
 NGINX = nginx_binary()
