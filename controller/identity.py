@@ -417,6 +417,24 @@ def _parent(headers: Mapping[str, str]) -> SessionId | None:
     return None
 
 
+# The headers an ingress hashes to find a call's shard, first present wins: Claude Code's run
+# id (its sub-agents share it), then a sub-agent's parent, then the session headers — the
+# order of ops/nginx/sluice-shard-key.conf, so both ingresses split programs alike.
+SHARD_KEY_HEADERS = (CLAUDE_CODE_SESSION_HEADER, *PARENT_HEADERS,
+                     *(name for name in SESSION_HEADERS if name != CLAUDE_CODE_SESSION_HEADER))
+
+
+def shard_key(headers: Mapping[str, str]) -> str:
+    """The root session an ingress hashes to pick a call's shard (lower-case header names);
+    "" when no header names one: such calls (identity in the body, or from content) all go
+    to one shard, since an ingress does not read bodies."""
+    for name in SHARD_KEY_HEADERS:
+        value = headers.get(name)
+        if value:
+            return value
+    return ""
+
+
 def _final(headers: Mapping[str, str]) -> bool:
     value = headers.get(FINAL_HEADER)
     return isinstance(value, str) and value.strip().lower() in _FINAL_VALUES

@@ -8,9 +8,9 @@ room. :class:`ShardedPolicy` is that partition, seen by :class:`~sim.simulation.
 as one policy, so that ``sluice sim --shards K`` measures what the partition costs against one
 gateway over the same programs.
 
-The owner of a program is chosen by rendezvous hashing of its root session (the highest
-``blake2b(shard, root)`` wins: a K that changes moves only the programs whose winner
-changed). A sub-agent goes where its parent went, as the proxy's shard key sends it
+The owner of a program is chosen by rendezvous hashing of its root session
+(scheduler/rendezvous.py, the function the Ray Serve ingress routes by: a K that changes
+moves only the programs whose winner changed). A sub-agent goes where its parent went, as the proxy's shard key sends it
 (ops/nginx/sluice-shard-key.conf), and a GRPO group's samples where their task hashes
 (behind nginx: the task sent as ``x-parent-session-id``); a program the simulator starts later (a closed loop's
 next one) is hashed like any other, so a shard's share of the live programs drifts as it
@@ -20,25 +20,14 @@ i mod K.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 from scheduler.actions import Action, Decision
 from scheduler.calls import CallRequest, Usage
 from scheduler.kv_events import EventBatch
 from scheduler.policies.base import Policy
+from scheduler.rendezvous import rendezvous_shard
 from scheduler.snapshot import PolicySnapshot
-
-
-def rendezvous_shard(root: str, shards: int) -> int:
-    """The shard (0 … shards − 1) that owns ``root``: the one whose hash with it is highest."""
-    if shards < 1:
-        raise ValueError(f"shards must be ≥ 1, got {shards}")
-
-    def score(shard: int) -> bytes:
-        return hashlib.blake2b(f"{shard}\x00{root}".encode(), digest_size=8).digest()
-
-    return max(range(shards), key=score)
 
 
 class ShardedPolicy:

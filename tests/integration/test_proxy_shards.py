@@ -29,9 +29,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from simworker.worker import SimWorkerConfig
-from simworker.worker import create_app as create_simworker
-from tests.support.gateway_harness import Gateway, ServerThread, gateway, serve_config, wait_for
+from tests.support.gateway_harness import Gateway, gateway, serve_config, wait_for
+from tests.support.shard_fleet import (
+    CHILDREN,
+    CLAUDE_RUNS,
+    ROOTS,
+    call,
+    program_headers,
+    root_headers,
+    simworker_entries,
+)
 
 OPS = Path(__file__).resolve().parents[2] / "ops" / "nginx"
 SHARD_KEY_CONF = OPS / "sluice-shard-key.conf"
@@ -146,44 +153,12 @@ http {{
 def shard(name: str, workers: int) -> Iterator[Gateway]:
     """One gateway with ``workers`` simworkers of its own."""
     with ExitStack() as stack:
-        entries = []
-        for i in range(workers):
-            app = create_simworker(SimWorkerConfig(
-                name=f"{name}-w{i}", num_blocks=512, block_size=16, kv_events=None,
-                directives="tcp://127.0.0.1:*", time_scale=0.002, max_model_len=4096,
-                default_max_tokens=4, sampling_seed=i))
-            server = ServerThread(app).start()
-            stack.callback(server.stop)
-            entries.append({"name": f"{name}-w{i}", "url": server.url, "capacity_tokens": 8192,
-                            "directives": app.state.worker.directives.bound_endpoint})
+        entries = simworker_entries(stack, [f"{name}-w{i}" for i in range(workers)])
         yield stack.enter_context(gateway(serve_config(entries)))
 
 
 def address(gw: Gateway) -> str:
     return f"127.0.0.1:{gw.server.port}"
-
-
-def call(client: httpx.Client, headers: dict[str, str], stream: bool = False) -> httpx.Response:
-    body = {"model": "sluice-sim", "max_tokens": 4, "stream": stream,
-            "messages": [{"role": "user", "content": f"a turn of {sorted(headers.items())}"}]}
-    return client.post("/v1/chat/completions", json=body, headers=headers)
-
-
-# the programs: plain sessions, sub-agents naming their parent, Claude Code runs of two agents
-ROOTS = [f"prog-{i:02d}" for i in range(48)]
-CHILDREN = {f"child-{i:02d}": f"prog-{i:02d}" for i in range(8)}
-CLAUDE_RUNS = [f"claude-run-{i}" for i in range(8)]
-
-
-def program_headers() -> dict[str, list[dict[str, str]]]:
-    """Each shard key (a root) with the headers of every call made under it."""
-    calls: dict[str, list[dict[str, str]]] = {root: [{"x-session-id": root}] * 3 for root in ROOTS}
-    for child, parent in CHILDREN.items():
-        calls[parent] += [{"x-session-id": child, "x-parent-session-id": parent}] * 2
-    for run in CLAUDE_RUNS:
-        calls[run] = [{"x-claude-code-session-id": run},
-                      {"x-claude-code-session-id": run, "x-claude-code-agent-id": f"{run}-agent"}] * 2
-    return calls
 
 
 @pytest.fixture
@@ -233,8 +208,7 @@ def test_every_call_of_a_program_reaches_the_gateway_that_owns_it(two_shards):
 def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_its_own(two_shards, tmp_path):
     proxy, gateways, stack = two_shards
     roots = ROOTS + CLAUDE_RUNS
-    headers = {root: {"x-session-id": root} for root in ROOTS}
-    headers.update({run: {"x-claude-code-session-id": run} for run in CLAUDE_RUNS})
+    headers = root_headers()
     with httpx.Client(base_url=proxy.url, timeout=30, trust_env=False) as client:
         for root in roots:
             assert call(client, headers[root]).status_code == 200

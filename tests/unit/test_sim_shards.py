@@ -11,9 +11,10 @@ from scheduler.actions import Admit
 from scheduler.calls import CallRequest
 from scheduler.config import ProgramAwareConfig
 from scheduler.policies import make_policy
+from scheduler.rendezvous import rendezvous_shard
 from sim.feeds import ClosedLoop
 from sim.runs import run_policies, workload_feed
-from sim.shards import ShardedPolicy, rendezvous_shard
+from sim.shards import ShardedPolicy
 from tests.unit.test_simulation import program, simulation
 
 ROOTS = [f"root-{i}" for i in range(4000)]
