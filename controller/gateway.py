@@ -42,6 +42,7 @@ from controller.parts import Parts
 from controller.prompt import ROUTES
 from controller.request_log import RequestLog
 from controller.serve_config import ServeConfig
+from controller.shard_forward import ShardForwarder
 from controller.subscriber import KvEventSubscriber
 from controller.upstream import UpstreamPool
 from controller.workers import WorkerRegistry
@@ -84,6 +85,8 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
     endpoints = Endpoints(parts, clock, wall_clock, CallLines(config.log_level, log_stream),
                           client_keys)
     admin = AdminApi(config.resolved_admin_token(), admission, fleet, reloader, clock)
+    forwarder = None if config.shards is None else ShardForwarder(
+        config.shards, pool.limits, config.max_body_bytes, metrics.registry, log)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -106,6 +109,8 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         finally:
             with anyio.CancelScope(shield=True):
                 await fleet.aclose()
+                if forwarder is not None:
+                    await forwarder.aclose()
             request_log.close()
             parts.drain.close()
             log.info("gateway stopped")
@@ -137,6 +142,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
 
     app = _SluiceApp(
         endpoints,
+        forwarder,
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
@@ -150,12 +156,18 @@ class _SluiceApp(Starlette):
     on the relay path those cost more than the rest of a call's bookkeeping, and the relay
     answers its own errors (in the route's API shape) and logs its own failures."""
 
-    def __init__(self, endpoints: Endpoints, **kwargs: Any) -> None:
+    def __init__(self, endpoints: Endpoints, forwarder: ShardForwarder | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._relay = endpoints.relay
+        self._forwarder = forwarder
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTES:
+            if self._forwarder is not None:
+                owner = self._forwarder.owner(scope["headers"])
+                if owner is not None:
+                    await self._forwarder.forward(scope, receive, send, owner)
+                    return
             await self._relay(scope, receive, send)
             return
         await super().__call__(scope, receive, send)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
@@ -143,6 +144,31 @@ async def reconnect_when_lost(socket: zmq.asyncio.Socket, endpoint: str, log: An
     finally:
         socket.disable_monitor()
         monitor.close(linger=0)
+
+
+# sizeof(sockaddr_un.sun_path) on Linux less the terminating NUL: ZMQ refuses longer ipc paths.
+IPC_PATH_MAX_BYTES = 107
+
+
+def check_zmq_endpoint(value: str) -> str:
+    """A ZMQ endpoint as zmq_bind/zmq_connect read it. ``ipc://`` is a filesystem path
+    (``ipc:///abs/path``, ``ipc://relative``, ``ipc://@abstract``), not HOST:PORT, so it
+    is checked apart from tcp/inproc, which a URL parser reads correctly."""
+    scheme, separator, rest = value.partition("://")
+    if separator and scheme == "ipc":
+        if not rest or rest.endswith("/"):
+            raise ValueError(f"an ipc ZMQ endpoint needs a socket path such as "
+                             f"ipc:///tmp/sluice-kv.sock, got {value!r}")
+        if "\x00" in rest or any(ch.isspace() for ch in rest):
+            raise ValueError(f"an ipc ZMQ endpoint path cannot hold NUL or whitespace, got {value!r}")
+        if len(rest.encode()) > IPC_PATH_MAX_BYTES:
+            raise ValueError(f"an ipc ZMQ endpoint path is at most {IPC_PATH_MAX_BYTES} bytes "
+                             f"(a Unix socket address), got {len(rest.encode())} in {value!r}")
+        return value
+    parts = urlsplit(value)
+    if parts.scheme not in ("tcp", "ipc", "inproc") or not parts.netloc:
+        raise ValueError(f"a ZMQ endpoint must look like tcp://HOST:PORT, got {value!r}")
+    return value
 
 
 def binds(endpoint: str) -> bool:

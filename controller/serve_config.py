@@ -21,6 +21,7 @@ One YAML document, every top-level key optional except ``workers``::
                publisher_keys_dir: keys/publishers}       # who may feed kv_events_bind
     allow_insecure_bind: false            # kv_events_bind, kv_events: tcp://*, without keys
     clients: {keys_file: clients.yaml, max_programs: 100}   # optional client API keys
+    shards: {index: 0, gateways: [http://gw-0:8080, http://gw-1:8080]}   # optional
     policy: {name: ..., ...}              # one section per policy: scheduler.config.AnyPolicyConfig
 
 Errors name the key with its dotted path (``workers.1.url: ...``), as ``check-config`` does
@@ -49,7 +50,8 @@ from pydantic import (
 
 from scheduler.config import ConfigError, PolicyConfig, ProgramAwareConfig, load_yaml_text
 
-from controller.kv_wire import binds
+from controller.kv_wire import binds, check_zmq_endpoint
+from controller.shards_config import ShardsConfig
 from controller.worker_urls import (
     DEFAULT_NETWORKS,
     DEFAULT_SCHEMES,
@@ -181,28 +183,6 @@ def _check_url(value: str, schemes: tuple[str, ...], what: str) -> str:
     if parts.scheme not in schemes or not parts.netloc:
         raise ValueError(f"{what} must look like {schemes[0]}://HOST:PORT, got {value!r}")
     return value
-
-
-# sizeof(sockaddr_un.sun_path) on Linux less the terminating NUL: ZMQ refuses longer ipc paths.
-IPC_PATH_MAX_BYTES = 107
-
-
-def _check_zmq_endpoint(value: str) -> str:
-    """A ZMQ endpoint as zmq_bind/zmq_connect read it. ``ipc://`` is a filesystem path
-    (``ipc:///abs/path``, ``ipc://relative``, ``ipc://@abstract``), not HOST:PORT, so it
-    is checked apart from tcp/inproc, which a URL parser reads correctly."""
-    scheme, separator, rest = value.partition("://")
-    if separator and scheme == "ipc":
-        if not rest or rest.endswith("/"):
-            raise ValueError(f"an ipc ZMQ endpoint needs a socket path such as "
-                             f"ipc:///tmp/sluice-kv.sock, got {value!r}")
-        if "\x00" in rest or any(ch.isspace() for ch in rest):
-            raise ValueError(f"an ipc ZMQ endpoint path cannot hold NUL or whitespace, got {value!r}")
-        if len(rest.encode()) > IPC_PATH_MAX_BYTES:
-            raise ValueError(f"an ipc ZMQ endpoint path is at most {IPC_PATH_MAX_BYTES} bytes "
-                             f"(a Unix socket address), got {len(rest.encode())} in {value!r}")
-        return value
-    return _check_url(value, ("tcp", "ipc", "inproc"), "a ZMQ endpoint")
 
 
 class WorkerUrlsConfig(_Strict):
@@ -346,7 +326,7 @@ class WorkerConfig(_Strict):
     def _zmq_endpoint(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        return _check_zmq_endpoint(value)
+        return check_zmq_endpoint(value)
 
     def connected_endpoints(self) -> dict[str, str]:
         """The ZMQ endpoints the gateway connects to, by key (held to ``worker_urls`` as the
@@ -416,6 +396,9 @@ class ServeConfig(_Strict):
     # kv_events_bind without publisher_keys_dir, or a worker's kv_events holding * without its
     # zmq_server_key, may listen beyond loopback only if true: anyone reaching it feeds the index.
     allow_insecure_bind: bool = False
+    # Sharded gateways behind a balancer that knows nothing of programs: each call for a
+    # program another gateway owns is forwarded to it once (controller/shard_forward.py).
+    shards: ShardsConfig | None = None
     workers: Annotated[list[WorkerConfig], Field(min_length=1)]
     policy: AnyPolicyConfig = ProgramAwareConfig()
 
@@ -515,7 +498,7 @@ class ServeConfig(_Strict):
     def _zmq_bind(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        return _check_zmq_endpoint(value)
+        return check_zmq_endpoint(value)
 
     @field_validator("workers")
     @classmethod

@@ -265,6 +265,11 @@ class UpstreamPool:
             client, WorkerConnections(worker.url, self._limits, authorization),
             worker.scheduling_policy == "priority")
 
+    @property
+    def limits(self) -> Limits:
+        """The relay connections' timeouts and pool sizes (``upstream:``)."""
+        return self._limits
+
     async def remove(self, name: str) -> None:
         """Close the worker's connections (it has no call in flight: it was drained)."""
         upstream = self._workers.pop(name)

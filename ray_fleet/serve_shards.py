@@ -53,8 +53,8 @@ SHARD_HEADER = "x-sluice-shard"
 SHARD_METADATA_KEY = "sluice_shard"
 # Calls one replica may hold at once (Serve's max_ongoing_requests): held calls count too.
 DEFAULT_MAX_ONGOING = 4096
-# Keys of the gateway's config the deployment sets itself.
-DEPLOYMENT_OWNED_KEYS = ("workers",)
+# Keys of the gateway's config the deployment sets itself (the router does what `shards:` would).
+DEPLOYMENT_OWNED_KEYS = ("workers", "shards")
 
 
 def shard_workers(endpoints: Sequence[Mapping[str, Any]], shard: int, shards: int) -> list[dict[str, Any]]:

@@ -27,8 +27,8 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 class ServerThread:
-    def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+    def __init__(self, app: Any, port: int = 0) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                 access_log=False, lifespan="on", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -120,10 +120,10 @@ class Gateway:
 
 
 @contextmanager
-def gateway(config: ServeConfig) -> Iterator[Gateway]:
+def gateway(config: ServeConfig, port: int = 0) -> Iterator[Gateway]:
     log = LogSink()
     app = create_app(config, log_stream=log)
-    server = ServerThread(app).start()
+    server = ServerThread(app, port).start()
     gw = Gateway(server, app, log)
     try:
         yield gw

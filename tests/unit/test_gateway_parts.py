@@ -57,6 +57,8 @@ def test_example_yaml_loads_and_its_gateway_keys_are_the_defaults():
     ({"workers": [WORKER], "upstream": {"read_timeout_s": 0}}, ["upstream.read_timeout_s"]),
     ({"workers": [WORKER], "policy": {"pause_threshold": 9}}, ["policy.pause_threshold"]),
     ({"workers": [WORKER], "polcy": {}}, ["polcy"]),
+    ({"workers": [WORKER], "shards": {"index": 0, "gateways": ["http://a:1", "ftp://b"]}}, ["shards.gateways"]),
+    ({"workers": [WORKER], "shards": {"index": 2, "gateways": ["http://a:1", "http://b:1"]}}, ["shards"]),
     ({"workers": [{"name": "w", "url": "ftp://x"}], "policy": {"bogus": 1}}, ["policy.bogus", "workers.0.url"]),
     ({"workers": [WORKER], "forward_client_keys": ["priorty"]}, ["forward_client_keys"]),
     ({"workers": [WORKER], "forward_client_keys": ["vllm_xargs."]}, ["forward_client_keys"]),

@@ -1,0 +1,124 @@
+"""Sharded gateways behind a balancer that knows nothing of programs (controller/shard_forward.py):
+each gateway forwards a call for a program another owns to it, once.
+
+Two gateways with two simworkers each and the same ``shards:`` list. The nginx tier's 64
+programs (tests/support/shard_fleet.py) send every call to one gateway, then every call to the
+other, as a round-robin balancer could: either way each program lives on the gateway its
+root session hashes to, and only there. A forwarded call is not forwarded again; an owner
+that cannot be reached gets its programs' calls a JSON 502 ``shard_unreachable``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.identity import shard_key
+from scheduler.rendezvous import rendezvous_shard
+from tests.support.gateway_harness import Gateway, gateway, serve_config
+from tests.support.shard_fleet import CHILDREN, CLAUDE_RUNS, ROOTS, call, program_headers, simworker_entries
+
+MAX_BODY = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def two_gateways() -> Iterator[tuple[list[Gateway], ExitStack]]:
+    with ExitStack() as stack:
+        ports = [free_port(), free_port()]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        gateways = []
+        for index, name in enumerate(("a", "b")):
+            entries = simworker_entries(stack, [f"{name}-w0", f"{name}-w1"])
+            config = serve_config(entries, shards={"index": index, "gateways": urls},
+                                  max_body_bytes=MAX_BODY)
+            gateways.append(stack.enter_context(gateway(config, ports[index])))
+        yield gateways, stack
+
+
+def forwards(gw: Gateway) -> dict[tuple[str, str], float]:
+    text = gw.client.get("/metrics").text
+    return {(sample.labels["shard"], sample.labels["outcome"]): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "sluice_shard_forwards_total"}
+
+
+@pytest.mark.parametrize("entry", [0, 1])
+def test_every_program_lives_on_its_owner_whichever_gateway_its_calls_reach(two_gateways, entry):
+    gateways, _ = two_gateways
+    calls = program_headers()
+    owner = {key: rendezvous_shard(shard_key(headers[0]), 2) for key, headers in calls.items()}
+    with httpx.Client(base_url=gateways[entry].url, timeout=30, trust_env=False) as client:
+        for key, headers_list in calls.items():
+            for headers in headers_list:
+                answer = call(client, headers)
+                assert answer.status_code == 200, (key, answer.status_code, answer.text[:300])
+        streamed = call(client, {"x-session-id": ROOTS[0]}, stream=True)
+        assert streamed.status_code == 200, streamed.text[:300]
+        assert streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
+
+    held = [set(gw.programs()) for gw in gateways]
+    for root in ROOTS:
+        assert root in held[owner[root]], (root, owner[root])
+    for child, parent in CHILDREN.items():
+        assert child in held[owner[parent]], (child, parent)
+    for run in CLAUDE_RUNS:
+        assert {run, f"{run}-agent"} <= held[owner[run]], (run, owner[run])
+    assert not held[0] & held[1], held[0] & held[1]
+    other = 1 - entry
+    sent_on = sum(len(headers) for key, headers in calls.items() if owner[key] == other)
+    sent_on += owner[ROOTS[0]] == other  # the streamed call
+    assert forwards(gateways[entry]) == {(str(other), "answered"): sent_on}
+    assert forwards(gateways[other]) == {}  # what it got was forwarded already: served there
+
+
+def test_a_forwarded_call_is_served_where_it_lands(two_gateways):
+    gateways, _ = two_gateways
+    stray = next(root for root in ROOTS if rendezvous_shard(root, 2) == 1)
+    with httpx.Client(base_url=gateways[0].url, timeout=30, trust_env=False) as client:
+        answer = call(client, {"x-session-id": stray, "x-sluice-forwarded": "1"})
+    assert answer.status_code == 200, answer.text[:300]
+    assert stray in gateways[0].programs() and stray not in gateways[1].programs()
+    assert forwards(gateways[0]) == {}
+
+
+def test_an_owner_out_of_reach_fails_only_its_programs_calls_with_a_json_502(two_gateways):
+    gateways, _ = two_gateways
+    gateways[1].close()
+    with httpx.Client(base_url=gateways[0].url, timeout=30, trust_env=False) as client:
+        for root in ROOTS[:16]:
+            answer = call(client, {"x-session-id": root})
+            if rendezvous_shard(root, 2) == 1:
+                assert answer.status_code == 502, (root, answer.status_code, answer.text[:300])
+                error = answer.json()["error"]
+                assert error["code"] == "shard_unreachable" and "shard 1" in error["message"], error
+                assert answer.headers.get("retry-after") == "5"
+            else:
+                assert answer.status_code == 200, (root, answer.status_code, answer.text[:300])
+        # an Anthropic call gets Anthropic's error shape
+        stray = next(root for root in ROOTS if rendezvous_shard(root, 2) == 1)
+        answer = client.post("/v1/messages", headers={"x-session-id": stray},
+                             json={"model": "sluice-sim", "max_tokens": 4,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 502 and answer.json()["type"] == "error", answer.text[:300]
+    assert forwards(gateways[0])[("1", "unreachable")] >= 1
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_forwarded(two_gateways):
+    gateways, _ = two_gateways
+    stray = next(root for root in ROOTS if rendezvous_shard(root, 2) == 1)
+    body = {"model": "sluice-sim", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x" * (2 * MAX_BODY)}]}
+    answer = gateways[0].client.post("/v1/chat/completions", json=body, headers={"x-session-id": stray})
+    assert answer.status_code == 413, answer.text[:300]
+    assert forwards(gateways[0]) == {}
