@@ -27,12 +27,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import anyio
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import Receive, Scope, Send
 
 from controller.errors import UPSTREAM, GatewayError
 from controller.identity import shard_key
-from controller.relay_client import ConnectError, ConnectTimeout, Limits, PoolTimeout, TransportError, WorkerConnections
+from controller.relay_client import (
+    ConnectError,
+    ConnectTimeout,
+    Limits,
+    PoolTimeout,
+    RelayResponse,
+    TransportError,
+    WorkerConnections,
+)
 from controller.request_body import ClientGone, read_asgi_body
 from controller.shards_config import ShardsConfig
 from controller.upstream import HOP_BY_HOP, response_headers
@@ -50,6 +59,13 @@ def _forwarded_headers(raw: Iterable[tuple[bytes, bytes]], sender: int) -> list[
     out = [(name, value) for name, value in raw if name.lower() not in _NOT_FORWARDED]
     out.append((FORWARDED_HEADER, str(sender).encode()))
     return out
+
+
+async def _cancel_when_client_leaves(receive: Receive, scope: anyio.CancelScope) -> None:
+    # the body was read to its end: what ASGI delivers next is the disconnect
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 class ShardForwarder:
@@ -112,27 +128,37 @@ class ShardForwarder:
                 retry_after_s=UNREACHABLE_RETRY_AFTER_S).response(path=route)(scope, receive, send)
             return
         try:
-            await send({"type": "http.response.start", "status": answer.status_code,
-                        "headers": response_headers(answer.headers)})
-            try:
-                async for chunk in answer.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except TransportError as err:
-                self._forwards.labels(str(shard), "broken").inc()
-                self._log.warning("shard broke off an answer", shard=shard, gateway=url, route=route,
-                                  problem=str(err) or type(err).__name__)
-                broken = GatewayError(502, f"the Sluice gateway that owns this program (shard "
-                                      f"{shard}) broke off the answer: {str(err) or type(err).__name__}",
-                                      UPSTREAM, code=SHARD_UNREACHABLE)
-                is_stream = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
-                                for name, value in answer.headers)
-                await send({"type": "http.response.body", "more_body": False,
-                            "body": broken.sse_event(route) if is_stream else b""})
-                return
-            self._forwards.labels(str(shard), "answered").inc()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            async with anyio.create_task_group() as relaying:
+                # A client that leaves stops the relay, and closing the owner's answer unread
+                # makes the owner abort the call (it sees its client gone) rather than compute
+                # it for nobody.
+                relaying.start_soon(_cancel_when_client_leaves, receive, relaying.cancel_scope)
+                await self._relay_answer(answer, send, shard, url, route)
+                relaying.cancel_scope.cancel()
         finally:
             answer.close()
+
+    async def _relay_answer(self, answer: RelayResponse, send: Send, shard: int, url: str,
+                            route: str) -> None:
+        await send({"type": "http.response.start", "status": answer.status_code,
+                    "headers": response_headers(answer.headers)})
+        try:
+            async for chunk in answer.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except TransportError as err:
+            self._forwards.labels(str(shard), "broken").inc()
+            self._log.warning("shard broke off an answer", shard=shard, gateway=url, route=route,
+                              problem=str(err) or type(err).__name__)
+            broken = GatewayError(502, f"the Sluice gateway that owns this program (shard "
+                                  f"{shard}) broke off the answer: {str(err) or type(err).__name__}",
+                                  UPSTREAM, code=SHARD_UNREACHABLE)
+            is_stream = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                            for name, value in answer.headers)
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": broken.sse_event(route) if is_stream else b""})
+            return
+        self._forwards.labels(str(shard), "answered").inc()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def aclose(self) -> None:
         for peer in self._peers.values():

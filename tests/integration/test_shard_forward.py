@@ -11,6 +11,7 @@ that cannot be reached gets its programs' calls a JSON 502 ``shard_unreachable``
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -20,10 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.identity import shard_key
 from scheduler.rendezvous import rendezvous_shard
-from tests.support.gateway_harness import Gateway, gateway, serve_config
+from tests.support.gateway_harness import Gateway, gateway, serve_config, wait_for
 from tests.support.shard_fleet import CHILDREN, CLAUDE_RUNS, ROOTS, call, program_headers, simworker_entries
 
 MAX_BODY = 4096
+# A LONG_TOKENS stream runs for seconds; the 4-token calls take milliseconds.
+TIME_SCALE = 0.2
+LONG_TOKENS = 3000
 
 
 def free_port() -> int:
@@ -39,7 +43,7 @@ def two_gateways() -> Iterator[tuple[list[Gateway], ExitStack]]:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         gateways = []
         for index, name in enumerate(("a", "b")):
-            entries = simworker_entries(stack, [f"{name}-w0", f"{name}-w1"])
+            entries = simworker_entries(stack, [f"{name}-w0", f"{name}-w1"], time_scale=TIME_SCALE)
             config = serve_config(entries, shards={"index": index, "gateways": urls},
                                   max_body_bytes=MAX_BODY)
             gateways.append(stack.enter_context(gateway(config, ports[index])))
@@ -122,3 +126,22 @@ def test_a_body_past_the_limit_is_refused_before_it_is_forwarded(two_gateways):
     answer = gateways[0].client.post("/v1/chat/completions", json=body, headers={"x-session-id": stray})
     assert answer.status_code == 413, answer.text[:300]
     assert forwards(gateways[0]) == {}
+
+
+def test_a_client_that_leaves_a_forwarded_stream_stops_the_owner_s_call(two_gateways):
+    gateways, _ = two_gateways
+    stray = next(root for root in ROOTS if rendezvous_shard(root, 2) == 1)
+    body = {"model": "sluice-sim", "max_tokens": LONG_TOKENS, "stream": True,
+            "messages": [{"role": "user", "content": "a long answer"}]}
+    with httpx.Client(base_url=gateways[0].url, timeout=30, trust_env=False) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"x-session-id": stray}) as answer:
+            assert answer.status_code == 200
+            next(answer.iter_raw())  # the stream runs
+            assert gateways[1].programs()[stray]["in_flight"] == 1
+        left = time.monotonic()
+    # the owner's call ends with the client, not after the LONG_TOKENS it was asked for (the
+    # program may go with it: its only call never completed)
+    wait_for(lambda: gateways[1].programs().get(stray, {}).get("in_flight", 0) == 0, timeout=10,
+             what="the owner to end the call")
+    assert time.monotonic() - left < 2.0
