@@ -2,8 +2,9 @@
 
 Builds a stream of vLLM-0.32-shaped event batches for a few workers whose block pools are
 full (the steady state of a busy fleet), encodes them up front with
-:class:`EventBatchEncoder`, then times only ``EventBatchDecoder.decode`` +
-``KVIndex.apply_batch`` over the whole stream on a fresh index. Reported: block hashes
+:class:`EventBatchEncoder`, then times only ``EventBatchDecoder.decode`` (``token_ids=False``,
+as the gateway's subscriber decodes for the index) + ``KVIndex.apply_batch`` over the whole
+stream on a fresh index. Reported: block hashes
 carried per second (stored and removed hashes both count, as ``apply_batch`` counts them).
 
 Stream shape (per batch = one engine step of one worker, 10–50 events):
@@ -149,7 +150,7 @@ def run(seed: int = 11, workers: int = 4, batches: int = 40_000, pool_blocks: in
     rates = []
     for rep in range(repeats + 1):
         index = KVIndex()
-        decoder = EventBatchDecoder()
+        decoder = EventBatchDecoder(token_ids=False)  # as the subscriber decodes for the index
         _ingest(decoder, index, fill)  # bring the pools to capacity (not timed)
         t0, c0 = time.perf_counter(), time.process_time()
         hashes = _ingest(decoder, index, steady)

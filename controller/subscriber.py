@@ -41,7 +41,7 @@ offset as vLLM offsets it for rank ``r`` (tcp port + r).
 batch is dropped and counted; the drop is then repaired like any other gap: by the next batch
 of that stream (its seq jumps), or, when no batch follows, as soon as the queue has drained.
 One applier task per worker decodes batches with :class:`~scheduler.kv_events.EventBatchDecoder`
-and feeds them, in seq order, to ``policy.observe_kv`` under the admission lock.
+(``token_ids=False``: stores' token ids are left unparsed, only counted) and feeds them, in seq order, to ``policy.observe_kv`` under the admission lock.
 
 **Per batch of a stream** (``expected`` is the next seq the stream should carry):
 
@@ -154,7 +154,7 @@ class KvEventSubscriber:
         self._queue_size = config.kv_events_queue
         self._replay_timeout_s = config.kv_replay_timeout_s
         self._zmq_keys = GatewayZmqKeys(config)  # CURVE client keys, per worker
-        self._decoder = EventBatchDecoder()
+        self._decoder = EventBatchDecoder(token_ids=False)  # the index reads only their count
         self._peek = msgspec.msgpack.Decoder(RankPeek)
         self._sources: dict[str, KvSource] = {}
         self.stats: dict[str, KvEventStats] = {}

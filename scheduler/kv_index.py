@@ -42,6 +42,13 @@ running past evicted tokens:
 Cost: with no hole, a query reads each block of its continuations once, as before; with
 holes, each chain is walked once between changes to them (cached per block).
 
+Ingest (:meth:`KVIndex.apply_batch`, the subscriber's path; ``bench/kv_ingest.py`` times it with
+the decode): events apply in order; a run of consecutive unattributed GPU removals, vLLM's one
+hash per evicted block, is one removal of all its hashes (the same state, without the per-event
+dispatch), and a store's token ids are only counted (a decoded :class:`BlockStoredRaw` leaves
+them unparsed). Blocks are untracked structs; a block's sessions are a tuple its store's blocks
+share until more than :data:`TUPLE_SESSIONS` hold it.
+
 Media. vLLM publishes its host tier's events (CPU offloading, ``medium="CPU"``) on the same
 stream as the GPU pool's (``"GPU"``, or no medium from engines that predate media). The two are
 kept apart: :class:`WorkerKV` is the GPU alone (every query above, and so ``U``, counts GPU KV
@@ -73,7 +80,7 @@ store, so a well-behaved stream, which stays far below the bound, pays nothing e
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import msgspec
 
@@ -85,9 +92,12 @@ from scheduler.kv_events import (
     BlockStored,
     EventBatch,
     KVEvent,
-    block_token_counts,
+    BlockStoredRaw,
+    raw_array_len,
+    token_counts,
 )
 from scheduler.kv_host import SHED_FRACTION, HostKV, oldest_over_bound
+from scheduler.kv_queries import KVQueries
 
 # The bound ("Bound" above) in blocks of this many tokens unless the engine's block size is
 # given: vLLM's default block size, and the smallest its GPU attention backends commonly run.
@@ -101,37 +111,41 @@ GPU_BOUND_FACTOR = 4
 # apart from the GPU pool): bounded as if it were up to four times the GPU pool, with the
 # same margin. A bigger tier is under-reported (its oldest blocks dropped), never over.
 HOST_BOUND_FACTOR = 4 * GPU_BOUND_FACTOR
+# A block's sessions are a tuple up to this many (most blocks have one, shared by the blocks
+# of its store: no dict per block), a dict past it (membership in O(1) for a widely shared
+# prefix).
+TUPLE_SESSIONS = 8
 
 
-class _Block:
-    __slots__ = ("parent", "up", "tokens", "prefix_tokens", "admitter", "continuation",
-                 "sessions", "counted", "children", "checked", "rooted")
+class _Block(msgspec.Struct, gc=False, eq=False):
+    """One resident block. A struct for its constructor's speed (one per stored block);
+    untracked by the cycle collector: blocks point only at older blocks (``up``) and at
+    strings, so they form no cycle, and a full index is not walked by every collection."""
 
-    def __init__(self, parent: BlockHash | None, up: _Block | None, tokens: int,
-                 prefix_tokens: int, admitter: str | None, continuation: str | None) -> None:
-        self.parent = parent
-        # the parent's block when it was resident at admission: unlinking through it spares
-        # a lookup in ``blocks`` on every eviction
-        self.up = up
-        self.tokens = tokens
-        self.prefix_tokens = prefix_tokens
-        self.admitter = admitter
-        self.continuation = continuation
-        # sessions that stored or touched this block, in first-touch order
-        self.sessions: dict[str, None] = {}
-        # how many of ``sessions`` are currently counted on the worker; kept only once a
-        # second session holds the block (a block of one session shares nothing, so
-        # counting it or not changes no total: pausing a program then costs its shared
-        # blocks, not all of them)
-        self.counted = 0
-        # resident blocks whose parent is this hash; -1 once removed
-        self.children = 0
-        # ``rooted`` (no hole above this block) is valid while ``checked`` is the worker's epoch
-        self.checked = -1
-        self.rooted = True
+    parent: BlockHash | None
+    # the parent's block when it was resident at admission: unlinking through it spares
+    # a lookup in ``blocks`` on every eviction
+    up: _Block | None
+    tokens: int
+    prefix_tokens: int
+    admitter: str | None
+    continuation: str | None
+    # sessions that stored or touched this block, in first-touch order: a tuple (one store's
+    # blocks share theirs), a dict once more than :data:`TUPLE_SESSIONS` hold the block
+    sessions: tuple[str, ...] | dict[str, None]
+    # how many of ``sessions`` are currently counted on the worker; kept only once a
+    # second session holds the block (a block of one session shares nothing, so
+    # counting it or not changes no total: pausing a program then costs its shared
+    # blocks, not all of them)
+    counted: int = 0
+    # resident blocks whose parent is this hash; -1 once removed
+    children: int = 0
+    # ``rooted`` (no hole above this block) is valid while ``checked`` is the worker's epoch
+    checked: int = -1
+    rooted: bool = True
 
 
-class WorkerKV:
+class WorkerKV(KVQueries):
     """One worker's resident blocks and the per-session views derived from them.
 
     **Invariants** (cited where kept):
@@ -180,23 +194,45 @@ class WorkerKV:
         self.shed()
 
     def store(self, event: BlockStored) -> None:
+        hashes = event.block_hashes
+        n, size, ids = len(hashes), event.block_size, event.token_ids
+        n_tokens = raw_array_len(ids) if ids.__class__ is msgspec.Raw else len(ids)
+        # inlined: full blocks are the rule (:func:`token_counts`)
+        counts = [size] * n if 0 < n * size <= n_tokens else token_counts(n, size, n_tokens)
+        self._store(hashes, counts, event.parent_block_hash, event.session_id, event.continuation_id)
+
+    def _store(self, hashes: list[BlockHash], counts: list[int], parent: BlockHash | None,
+               session: str | None, continuation: str | None) -> None:
         bound = self.max_blocks
-        if bound is not None and len(event.block_hashes) > self._part_blocks:
-            self._store_in_parts(event, self._part_blocks)
+        if bound is not None and len(hashes) > self._part_blocks:
+            # in parts of at most ``_part_blocks``, each under the last block of the one before
+            # (the chain's positions run on), shedding after each: one event cannot overshoot
+            # the bound by more than a part
+            part = self._part_blocks
+            for start in range(0, len(hashes), part):
+                chunk = hashes[start:start + part]
+                self._store(chunk, counts[start:start + part], parent, session, continuation)
+                parent = chunk[-1]
             return
-        session = event.session_id
-        continuation = event.continuation_id
-        parent = event.parent_block_hash
-        parent_block = self.blocks.get(parent) if parent is not None else None
-        prefix = parent_block.prefix_tokens if parent_block is not None else 0
         blocks = self.blocks
+        find = blocks.get
+        parent_block = find(parent) if parent is not None else None
+        prefix = parent_block.prefix_tokens if parent_block is not None else 0
         holes, orphans = self.holes, self._orphans
         above = parent_block
-        for block_hash, tokens in zip(event.block_hashes, block_token_counts(event)):
+        labelled = owned = None  # the continuation's and the session's blocks, once needed
+        gained = 0  # tokens of new blocks, all the session's (invariant 1, added at the end)
+        solo = () if session is None else (session,)
+        for block_hash, tokens in zip(hashes, counts):
             prefix += tokens
-            block = blocks.get(block_hash)
+            block = find(block_hash)
             if block is None:
-                block = _Block(parent, above, tokens, prefix, session, continuation)
+                block = _Block(parent, above, tokens, prefix, session, continuation, solo)
+                if session is not None:
+                    if owned is None:
+                        owned = self.session_blocks.setdefault(session, {})
+                    owned[block_hash] = None
+                    gained += tokens
                 blocks[block_hash] = block
                 if above is not None:
                     above.children += 1  # keeps invariant 4
@@ -214,28 +250,19 @@ class WorkerKV:
                     block.children = orphans.pop(block_hash)
                     self._epoch += 1
                 if continuation is not None:
-                    self.continuation_blocks.setdefault(continuation, {})[block_hash] = None
-            if session is not None:
+                    if labelled is None:
+                        labelled = self.continuation_blocks.setdefault(continuation, {})
+                    labelled[block_hash] = None
+            elif session is not None and session not in block.sessions:
                 self._touch(block_hash, block, session)
             parent = block_hash
             above = block
-        if continuation is not None and self.caps and event.block_hashes:
+        if gained:
+            self.session_tokens[session] = self.session_tokens.get(session, 0) + gained
+        if continuation is not None and self.caps and hashes:
             self._lift_caps(continuation, prefix)
         if bound is not None and len(blocks) > bound:
             self.shed()
-
-    def _store_in_parts(self, event: BlockStored, part: int) -> None:
-        """Store an event of more than ``part`` blocks as consecutive stores of at most ``part``,
-        each under the last block of the one before (so the chain's positions run on), shedding
-        after each: one event cannot overshoot the bound by more than a part."""
-        hashes, token_ids, size = event.block_hashes, event.token_ids, event.block_size
-        parent = event.parent_block_hash
-        for start in range(0, len(hashes), part):
-            chunk = hashes[start:start + part]
-            ids = token_ids[start * size:(start + part) * size] if size > 0 else token_ids
-            self.store(msgspec.structs.replace(event, block_hashes=chunk, parent_block_hash=parent,
-                                               token_ids=ids))
-            parent = chunk[-1]
 
     def shed(self) -> None:
         """Drop the oldest stored blocks while the index is over ``max_blocks`` (see "Bound")."""
@@ -256,10 +283,15 @@ class WorkerKV:
             del self.caps[continuation]
 
     def _touch(self, block_hash: BlockHash, block: _Block, session: str) -> None:
-        if session in block.sessions:
-            return
         sessions = block.sessions
-        sessions[session] = None
+        if session in sessions:
+            return
+        if sessions.__class__ is not tuple:
+            sessions[session] = None  # type: ignore[index]
+        elif len(sessions) < TUPLE_SESSIONS:
+            sessions = block.sessions = sessions + (session,)
+        else:
+            sessions = block.sessions = dict.fromkeys(sessions + (session,))
         self.session_tokens[session] = self.session_tokens.get(session, 0) + block.tokens  # invariant 1
         self.session_blocks.setdefault(session, {})[block_hash] = None
         if len(sessions) == 1:
@@ -278,30 +310,37 @@ class WorkerKV:
                 self.shared_tokens += block.tokens  # keeps invariant 2
 
     def remove(self, event: BlockRemoved) -> None:
-        hashes = event.block_hashes
-        attributed = event.continuation_id
+        self._remove(event.block_hashes, event.continuation_id, event.num_tokens)
+
+    def _remove(self, hashes: list[BlockHash], attributed: str | None = None,
+                num_tokens: int | None = None) -> None:
         if attributed is not None:
             self.attributed_removals += len(hashes)
-        blocks = self.blocks
+        take = self.blocks.pop
         holes, orphans = self.holes, self._orphans
+        session_tokens, session_blocks = self.session_tokens, self.session_blocks
+        continuation_blocks = self.continuation_blocks
+        epoch = self._epoch  # written back at the end; nothing called below reads it
+        evicted = 0
         for block_hash in hashes:
-            block = blocks.get(block_hash)
+            block = take(block_hash, None)
             if block is None:
                 self.unknown_removals += 1
                 if orphans and block_hash in orphans:
                     holes[block_hash] = orphans.pop(block_hash)
-                    self._epoch += 1
-                if attributed is not None and event.num_tokens is not None and len(hashes) == 1:
-                    self._cap(attributed, event.num_tokens)
+                    epoch += 1
+                if attributed is not None and num_tokens is not None and len(hashes) == 1:
+                    self._cap(attributed, num_tokens)
                 continue
-            del blocks[block_hash]
-            self.evicted_tokens += block.tokens
-            parent = block.parent
+            tokens = block.tokens
+            evicted += tokens
             children = block.children
             block.children = -1
             up = block.up
-            block.up = None
+            parent = block.parent
             cut = False
+            if up is not None:
+                block.up = None
             if up is not None and up.children > 0:
                 up.children -= 1
             elif parent is not None:
@@ -320,33 +359,49 @@ class WorkerKV:
             if children:
                 # Its descendants lose their prefix, unless a hole above had cut them off
                 # already (the common case when eviction runs from a chain's head).
-                if not (cut or (block.checked == self._epoch and not block.rooted)):
-                    self._epoch += 1
+                if not (cut or (block.checked == epoch and not block.rooted)):
+                    epoch += 1
                 holes[block_hash] = children
-            multi = len(block.sessions) > 1
-            if multi and block.counted >= 2:
-                self.shared_tokens -= block.tokens * (block.counted - 1)  # keeps invariant 2
-            for session in block.sessions:
-                if multi:
-                    shared = self.shared_blocks[session]
-                    del shared[block_hash]
-                    if not shared:
-                        del self.shared_blocks[session]
-                left = self.session_tokens[session] - block.tokens  # keeps invariants 1 and 3
-                owned = self.session_blocks[session]
+            sessions = block.sessions
+            if len(sessions) == 1:
+                session = sessions[0]  # type: ignore[index]  # a tuple: dicts hold more
+                owned = session_blocks[session]  # keeps invariants 1 and 3
                 del owned[block_hash]
                 if owned:
-                    self.session_tokens[session] = left
+                    session_tokens[session] -= tokens
                 else:
-                    del self.session_tokens[session]
-                    del self.session_blocks[session]
-            if block.continuation is not None:
-                labelled = self.continuation_blocks[block.continuation]
+                    del session_tokens[session]
+                    del session_blocks[session]
+            elif sessions:
+                self._drop_shared(block_hash, block)
+            continuation = block.continuation
+            if continuation is not None:
+                labelled = continuation_blocks[continuation]
                 del labelled[block_hash]
                 if not labelled:
-                    del self.continuation_blocks[block.continuation]
+                    del continuation_blocks[continuation]
                     if self.caps:
-                        self.caps.pop(block.continuation, None)
+                        self.caps.pop(continuation, None)
+        self._epoch = epoch
+        self.evicted_tokens += evicted
+
+    def _drop_shared(self, block_hash: BlockHash, block: _Block) -> None:
+        """The sessions' side of removing a block two or more sessions hold."""
+        if block.counted >= 2:
+            self.shared_tokens -= block.tokens * (block.counted - 1)  # keeps invariant 2
+        for session in block.sessions:
+            shared = self.shared_blocks[session]
+            del shared[block_hash]
+            if not shared:
+                del self.shared_blocks[session]
+            left = self.session_tokens[session] - block.tokens  # keeps invariants 1 and 3
+            owned = self.session_blocks[session]
+            del owned[block_hash]
+            if owned:
+                self.session_tokens[session] = left
+            else:
+                del self.session_tokens[session]
+                del self.session_blocks[session]
 
     def _unlink(self, parent: BlockHash) -> None:
         """A child of ``parent`` (not a hole) left; its ``up`` was not ``parent``'s block."""
@@ -391,99 +446,6 @@ class WorkerKV:
         self._orphans = {}
         self.caps = {}
         self._epoch += 1
-
-    # -- counting ----------------------------------------------------------------------
-
-    def set_counted(self, session: str, counted: bool) -> None:
-        """Include or exclude ``session`` from the shared-token count."""
-        if counted == (session in self.counted):
-            return
-        blocks = self.blocks
-        change = 0
-        # A block's share max(0, counted - 1) moves by one exactly when it is (or becomes)
-        # held by two or more counted sessions.
-        if counted:
-            self.counted[session] = None
-            for block_hash in self.shared_blocks.get(session, ()):
-                block = blocks[block_hash]
-                block.counted += 1
-                if block.counted >= 2:
-                    change += block.tokens
-        else:
-            del self.counted[session]
-            for block_hash in self.shared_blocks.get(session, ()):
-                block = blocks[block_hash]
-                if block.counted >= 2:
-                    change -= block.tokens
-                block.counted -= 1
-        self.shared_tokens += change  # keeps invariant 2
-
-    # -- queries -------------------------------------------------------------------------
-
-    def prefix_tokens(self, hashes: Sequence[BlockHash]) -> int:
-        """Tokens of the longest resident prefix of ``hashes``."""
-        total = 0
-        for block_hash in hashes:
-            block = self.blocks.get(block_hash)
-            if block is None:
-                break
-            total += block.tokens
-        return total
-
-    def continuation_tokens(self, continuation_ids: Iterable[str]) -> int:
-        """The longest resident prefix admitted under any of these continuation ids: the
-        deepest block labelled with one of them that no hole cuts off and no cap of its
-        continuation excludes (see the module docstring)."""
-        best = 0
-        blocks = self.blocks
-        check = bool(self.holes)
-        epoch = self._epoch
-        for cid in continuation_ids:
-            labelled = self.continuation_blocks.get(cid)
-            if not labelled:
-                continue
-            caps = self.caps.get(cid)
-            below = caps[0] if caps else None
-            for block_hash in labelled:
-                block = blocks[block_hash]
-                end = block.prefix_tokens
-                if end <= best or (below is not None and end >= below):
-                    continue
-                if check and not (block.rooted if block.checked == epoch else self._rooted(block)):
-                    continue
-                best = end
-        return best
-
-    def _rooted(self, block: _Block) -> bool:
-        """Whether no hole lies above ``block``; walks each chain once per epoch."""
-        epoch = self._epoch
-        if block.checked == epoch:
-            return block.rooted
-        blocks, holes = self.blocks, self.holes
-        path = []
-        while True:
-            if block.checked == epoch:
-                # known, or on this walk already: a loop of resident blocks has no hole
-                rooted = block.rooted
-                break
-            block.checked, block.rooted = epoch, True
-            path.append(block)
-            parent = block.parent
-            if parent is None:
-                rooted = True
-                break
-            above = blocks.get(parent)
-            if above is None:
-                rooted = parent not in holes
-                break
-            block = above
-        for walked in path:
-            walked.rooted = rooted
-        return rooted
-
-    @property
-    def resident_tokens(self) -> int:
-        return sum(block.tokens for block in self.blocks.values())
 
 
 def _on_host(event: KVEvent) -> bool:
@@ -537,20 +499,42 @@ class KVIndex:
 
     def apply_batch(self, worker: str, batch: EventBatch) -> int:
         """Apply one batch; returns how many block hashes it carried."""
-        hashes = 0
-        self.apply_events(worker, batch.events)
-        for event in batch.events:
-            if not isinstance(event, AllBlocksCleared):
-                hashes += len(event.block_hashes)
-        return hashes
+        return self.apply_events(worker, batch.events)
 
-    def apply_events(self, worker: str, events: Iterable[KVEvent]) -> None:
-        kv = self.worker(worker)
+    def apply_events(self, worker: str, events: Iterable[KVEvent]) -> int:
+        """Apply events in order; returns how many block hashes they carried. Consecutive
+        GPU removals without attribution (vLLM's one-hash ``BlockRemoved`` per evicted block)
+        are applied as one removal of all their hashes, which ends in the same state."""
+        kv = self._workers.get(worker) or self.worker(worker)
+        hashes = 0
+        plain = 0  # GPU stores, and removals in ``run``
+        run: list[BlockHash] = []
         for event in events:
+            kind = event.__class__
+            if kind is BlockRemoved and event.continuation_id is None and event.medium != MEDIUM_CPU:
+                run += event.block_hashes
+                plain += 1
+                continue
+            if run:
+                hashes += len(run)
+                kv._remove(run)
+                run = []
+            if (kind is BlockStoredRaw or kind is BlockStored) and event.medium != MEDIUM_CPU:
+                hashes += len(event.block_hashes)  # type: ignore[attr-defined]
+                plain += 1
+                kv.store(event)  # type: ignore[arg-type]
+                continue
+            if kind is not AllBlocksCleared:
+                hashes += len(event.block_hashes)  # type: ignore[attr-defined]
             if _on_host(event):
                 self._apply_host(worker, kv, event)
             else:
                 kv.apply(event)
+        if run:
+            hashes += len(run)
+            kv._remove(run)
+        kv.events_seen += plain
+        return hashes
 
     def _apply_host(self, worker: str, kv: WorkerKV, event: KVEvent) -> None:
         host = self.host(worker)
