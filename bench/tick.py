@@ -330,6 +330,7 @@ def run(seed: int = 5, workers: int = 64, programs: int = 10_000, ticks: int = 2
     samples: list[float] = []
     cpu_samples: list[float] = []
     per_tick = Counter()
+    slowest: list[tuple[float, int, Counter]] = []  # (ms, tick, actions it returned)
     profiler = None
     if profile:
         import cProfile
@@ -356,6 +357,8 @@ def run(seed: int = 5, workers: int = 64, programs: int = 10_000, ticks: int = 2
                 per_tick["ticks with a pause pass"] += 1
             if "Resume" in kinds:
                 per_tick["ticks with a resume"] += 1
+            slowest.append((elapsed * 1e3, i - warmup_ticks, Counter(type(a).__name__ for a in actions)))
+            slowest = sorted(slowest, key=lambda s: -s[0])[:5]
         fleet.carry_out(actions)
     fleet.describe(f"after {ticks} timed ticks")
     done = Counter(fleet.actions)
@@ -366,6 +369,9 @@ def run(seed: int = 5, workers: int = 64, programs: int = 10_000, ticks: int = 2
              f"p90 {percentile(samples, 90):.3f}, p99 {percentile(samples, 99):.3f}, max {max(samples):.3f}")
     progress(f"tick: CPU time per tick ms (process_time, coarse): p50 {percentile(cpu_samples, 50):.3f}, "
              f"p99 {percentile(cpu_samples, 99):.3f}")
+    for ms, index, kinds in slowest:
+        progress(f"tick: slow tick #{index}: {ms:.3f} ms, returned "
+                 + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "nothing"))
     if profiler is not None:
         import io
         import pstats

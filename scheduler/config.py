@@ -169,6 +169,10 @@ class ProgramAwareConfig(PolicyConfig):
     # (design notes "Waiting under deep overload"). None: max_wait_s as it is.
     wait_stretch_from: Positive | None = 1.5
     max_wait_stretch: Annotated[float, Field(ge=1.0)] = 2.25
+    # Bounded work per tick: at most this many programs resume by force in one tick (overdue
+    # calls, then force_resume_after_s), earliest deadline first; the rest stay due and go
+    # in the following ticks (design notes "Bounded waiting"). None: no cap.
+    max_forced_per_tick: Annotated[int, Field(ge=1)] | None = 8
     # Dormancy: an ACTING program still in its tool call after the ``dormant_quantile`` of
     # recent tool-call durations (and at least ``dormant_min_s``) is likely in a long one:
     # its KV counts in U at ``dormant_token_weight`` until its next call. None: off.

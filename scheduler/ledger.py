@@ -187,8 +187,7 @@ class Ledger:
             load.weighted_demand += weighted - old.weighted_demand  # keeps invariant 1
             load.programs[session] = demand
             if chain != old.chain:  # keeps invariant 2
-                self._ancestry(load, old.chain, -1)
-                self._ancestry(load, chain, +1)
+                self._ancestry_moved(load, old.chain, chain)
             self._index.worker(load.name).set_counted(session, sharing)
             old.weighted_demand, old.demand, old.chain = weighted, demand, chain
             return
@@ -247,6 +246,25 @@ class Ledger:
                     del tokens_of[node]
         load.ancestry_shared += change
 
+    @classmethod
+    def _ancestry_moved(cls, load: WorkerLoad, old: tuple[tuple[str, int], ...],
+                        new: tuple[tuple[str, int], ...]) -> None:
+        """Count ``old`` out and ``new`` in, as :meth:`_ancestry` −1 then +1 would, touching
+        only what differs: a chain mostly grows at its end, and a node the two share (same
+        place, same size) keeps its count; one this program alone holds takes its size."""
+        same = 0
+        for before, after in zip(old, new):
+            if before != after:
+                break
+            same += 1
+        if same:
+            counts, tokens_of = load.ancestry_counts, load.ancestry_tokens
+            for node, tokens in new[:same]:
+                if counts[node] == 1:
+                    tokens_of[node] = tokens  # as counting it out and in again would
+        cls._ancestry(load, old[same:], -1)
+        cls._ancestry(load, new[same:], +1)
+
     # -- utilization ---------------------------------------------------------------------
 
     def shared_tokens(self, name: str) -> int:
@@ -259,13 +277,16 @@ class Ledger:
         return ancestry
 
     def load_tokens(self, name: str) -> float:
-        """The numerator of ``U_w``."""
+        """The numerator of ``U_w`` (:meth:`shared_tokens` inlined: the pause pass and the
+        placements read it after every move)."""
         load = self._workers[name]
-        return (
-            load.weighted_demand
-            - self.shared_tokens(name)
-            + self._config.buffer_per_program * len(load.programs)
-        )
+        shared = load.ancestry_shared
+        index = self._index
+        if index.has_events(name):
+            indexed = index.worker(name).shared_tokens
+            if indexed > shared:
+                shared = indexed
+        return load.weighted_demand - shared + self._config.buffer_per_program * len(load.programs)
 
     def utilization(self, name: str) -> float:
         load = self._workers[name]

@@ -13,7 +13,6 @@ both read. Each policy keeps its own rules (when to pause, whom to resume where)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 
 from scheduler.actions import Action, Resume
@@ -190,8 +189,5 @@ def force_target(program: Program, ledger: Ledger, room: dict[str, float] | None
 
 
 def emptiest_worker(room: dict[str, float]) -> str | None:
-    best, best_free = None, -math.inf
-    for name, free in room.items():
-        if free > best_free:
-            best, best_free = name, free
-    return best
+    """The worker with the most free tokens, the first of equals in ``room``'s order."""
+    return max(room, key=room.__getitem__) if room else None

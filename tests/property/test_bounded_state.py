@@ -88,7 +88,7 @@ BOUNDS: dict[str, str] = {
     "_resume._queue._keys": LIVE,
     "_resume._queue._demand": LIVE,
     "_resume._queue._order": LIVE,
-    "_resume._queue._smallest": LIVE,
+    "_resume._queue._by_demand": LIVE,
     "_resume._queue._largest_waiting": LIVE,
     "_pausing.soft_band": WORKER,
     "_dormancy._tool_times._recent": WINDOW,

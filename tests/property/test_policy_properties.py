@@ -80,6 +80,7 @@ configs = st.builds(
     growth_reserve_tokens=st.sampled_from([0, 256]),
     resume_aging_halflife_s=st.sampled_from([5.0, 60.0]),
     max_wait_s=st.sampled_from([None, 15.0, 90.0]),
+    max_forced_per_tick=st.sampled_from([None, 32, 1]),
     wait_stretch_from=st.sampled_from([None, 0.5, 2.0]),
     held_call_lead_s=st.sampled_from([None, 0.0, 10.0]),
     dormant_quantile=st.sampled_from([None, 0.5, 0.9]),
@@ -456,7 +457,10 @@ class Run:
             if any(load.healthy for load in policy.ledger.workers()):
                 assert not self.held, "a router kept calls held past a tick with a healthy worker"
             return
-        if self.healthy_workers():
+        # program_aware forces at most max_forced_per_tick programs back per tick, earliest
+        # deadline first; after a tick that spent that budget the rest may still be due
+        spent = self.name == "program_aware" and policy._resume.forced_budget_spent
+        if self.healthy_workers() and not spent:
             force = self.cfg.force_resume_after_s
             for sid, program in policy.programs.items():
                 if program.paused:
@@ -464,9 +468,10 @@ class Run:
             for rid, (sid, arrival) in self.held.items():
                 assert now - arrival < force, f"{rid} of {sid} held past force_resume_after_s"
         max_wait = getattr(policy.config, "max_wait_s", None)  # thunderagent: no bound
-        if max_wait is not None and any(load.accepts_programs for load in policy.ledger.workers()):
-            # bounded waiting: after a tick no call has been held max_wait_s while a worker
-            # could take its program
+        if max_wait is not None and not spent and any(load.accepts_programs
+                                                      for load in policy.ledger.workers()):
+            # bounded waiting: after a tick that forced fewer than max_forced_per_tick, no
+            # call has been held max_wait_s while a worker could take its program
             for rid, (sid, arrival) in self.held.items():
                 limit = self.wait_limits.get(rid, max_wait)
                 assert now - arrival < limit, f"{rid} of {sid} held past max_wait_s (stretched: {limit})"

@@ -809,6 +809,42 @@ def test_max_wait_s_keeps_trying_while_no_worker_takes_programs() -> None:
     assert [a.request_id for a in of(d.p.tick(32.0), Admit)] == ["n#1"]
 
 
+def _overdue_crowd(cap: int | None) -> Driver:
+    """Two full workers and five new programs held at 1–5 s: all overdue by 40 s."""
+    d = Driver(make({"w0": CAP, "w1": CAP}, max_wait_s=30.0, max_forced_per_tick=cap))
+    d.reasoning("a", 900)
+    d.reasoning("b", 900)
+    for n in range(1, 6):
+        assert isinstance(d.arrive(f"n{n}", 100, now=float(n)), Hold)
+    return d
+
+
+def test_forced_resumes_per_tick_are_capped_and_go_earliest_deadline_first() -> None:
+    d = _overdue_crowd(cap=2)
+    admitted = [[a.request_id for a in of(d.p.tick(now), Admit)] for now in (40.0, 40.1, 40.2, 40.3)]
+    assert admitted == [["n1#1", "n2#1"], ["n3#1", "n4#1"], ["n5#1"], []]
+    assert d.p.stats.wait_limit_resumes == d.p.stats.forced_resumes == 5
+
+
+def test_without_the_cap_every_overdue_call_goes_in_one_tick() -> None:
+    d = _overdue_crowd(cap=None)
+    assert [a.request_id for a in of(d.p.tick(40.0), Admit)] == [f"n{n}#1" for n in range(1, 6)]
+
+
+def test_overdue_calls_and_force_resumes_share_the_ticks_budget() -> None:
+    d = Driver(make(force_resume_after_s=100.0, max_wait_s=30.0, max_forced_per_tick=2,
+                    resume_priority_boost_s=0.0))
+    d.reasoning("busy", 800)
+    for sid in ("p", "q"):
+        d.acting(sid, 100)
+    assert sessions(d.p.tick(1.0), Pause) == ["p", "q"]  # parked at 1 s: forced at 101 s
+    assert isinstance(d.arrive("n", 200, now=80.0), Hold)  # overdue at 110 s
+    first = d.p.tick(110.0)
+    assert [a.request_id for a in of(first, Admit)] == ["n#1"]  # the overdue call first
+    assert sessions(first, Resume) == ["p"]
+    assert sessions(d.p.tick(110.1), Resume) == ["q"]  # the rest at the next tick
+
+
 def _learn_tool_times(d: Driver, seconds: float, count: int = 20, worker_sid: str = "warm") -> float:
     """Feed ``count`` tool calls of ``seconds`` each through a tiny program; returns the time."""
     now = 0.0

@@ -46,3 +46,33 @@ def test_waiting_demand_sums_the_programs_with_a_call_waiting_through_moves_and_
     queue.discard("idle")
     queue.discard("b")
     assert queue.waiting_demand == 0 and len(queue) == 0
+
+
+def test_fitting_reads_only_what_fits_in_resume_order_and_after_a_key() -> None:
+    queue = ResumeQueue(halflife_s=60.0)
+    queue.put("idle-small", IDLE, 100, 0.0)
+    queue.put("big", WAITING, 9_000, 0.0)
+    queue.put("a", WAITING, 300, 1.0)
+    queue.put("b", NEW, 200, 2.0)
+    queue.put("c", WAITING, 200, 3.0)
+    fit = queue.fitting(300)
+    assert [(key[3], demand) for key, demand in fit] == [("c", 200), ("a", 300), ("b", 200),
+                                                       ("idle-small", 100)]
+    assert [key[3] for key, _ in fit] == [s for s, d in queue.in_order() if d <= 300]
+    assert [key[3] for key, _ in queue.fitting(300, after=fit[1][0])] == ["b", "idle-small"]
+    queue.discard("c")
+    assert queue.min_demand() == 100 and [key[3] for key, _ in queue.fitting(250)] == ["b", "idle-small"]
+    queue.discard("idle-small")
+    assert queue.min_demand() == 200 and queue.fitting(150) == []
+
+
+def test_fitting_gives_the_same_answer_whether_few_or_most_entries_fit() -> None:
+    queue = ResumeQueue(halflife_s=60.0)
+    for n in range(40):
+        queue.put(f"s{n}", (WAITING, NEW, IDLE)[n % 3], 100 + 37 * (n % 11), float(n % 7))
+    for most in (100, 150, 300, 400, 10_000):
+        expected = [(s, d) for s, d in queue.in_order() if d <= most]
+        fit = queue.fitting(most)
+        assert [(key[3], demand) for key, demand in fit] == expected
+        if len(fit) > 2:
+            assert [key[3] for key, _ in queue.fitting(most, after=fit[1][0])] == [s for s, _ in expected[2:]]

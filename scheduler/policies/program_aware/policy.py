@@ -22,7 +22,9 @@ Invariant 2: a resume that is not forced leaves its worker at ``U ≤`` its thre
 
 Invariant 3: after a tick, while some worker takes programs, no call has been held
 ``max_wait_s`` (stretched by the oversubscription when it was held, :meth:`.resume.Resumption.
-wait_stretch`; or its client's deadline) and no program has been PAUSED ``force_resume_after_s``.
+wait_stretch`; or its client's deadline) and no program has been PAUSED ``force_resume_after_s``,
+unless the tick made ``max_forced_per_tick`` forced resumes: at most that many per tick, earliest
+deadline first, and the rest go in the following ticks (:meth:`.resume.Resumption.begin_tick`).
 
 Invariant 4: nothing in flight is ever aborted: a program pauses only between calls, and one
 marked while reasoning pauses when its last call ends.
@@ -173,6 +175,7 @@ class ProgramAwarePolicy(Policy):
         """Release idle programs → dormancy → predicted prefetches → overdue calls → resume
         (forced, reserved, in order) → pause → soft band → retention."""
         actions: list[Action] = []
+        self._resume.begin_tick()
         for session in self._resume.idle_sessions(now):
             actions += self.release(session, now, "idle")
         self._capacity.recount(self.programs.values())

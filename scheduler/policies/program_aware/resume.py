@@ -8,6 +8,8 @@ the tick's order:
   client's deadline) goes ahead with its program, room or not: its home, else the emptiest
   worker;
 - **forced**: a program parked ``force_resume_after_s`` resumes the same way;
+  these two share one budget per tick, ``max_forced_per_tick`` (:meth:`Resumption.begin_tick`):
+  past it, the rest stay due and go first in the following ticks, earliest deadline first;
 - **reserved**: a waiting program larger than any worker's resume limit gets a worker
   reserved for it (:class:`.placement.Reservations`) and resumes there once it fits or,
   forced, once nothing there is reasoning any more;
@@ -25,11 +27,13 @@ with nothing to run, at the place its current group, demand and priority give
 
 Invariant 2: every held call with a wait limit has a live ``(deadline, request_id)`` in
 ``_wait_deadlines`` until it is admitted or gone; an overdue one that could not go ahead
-stays due (it is pushed back and retried at the next tick).
+stays due (it is pushed back and retried at the next tick), and so does one the tick's
+budget of forced resumes left (never popped).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 from scheduler.actions import Action
@@ -69,6 +73,7 @@ class Resumption:
         self._placement = placement
         self._programs = programs
         self._calls = calls
+        self._forced_left: float = math.inf  # this tick's budget of forced resumes
 
     def reconfigure(self, config: ProgramAwareConfig) -> None:
         halflife = self.config.resume_aging_halflife_s
@@ -199,13 +204,25 @@ class Resumption:
 
     # -- the ways back, in the tick's order -------------------------------------------------
 
+    def begin_tick(self) -> None:
+        """A tick starts: its budget of forced resumes is ``max_forced_per_tick``."""
+        cap = self.config.max_forced_per_tick
+        self._forced_left = math.inf if cap is None else cap
+
+    @property
+    def forced_budget_spent(self) -> bool:
+        """Whether this tick has made all the forced resumes ``max_forced_per_tick`` allows
+        (then overdue calls and programs may be left for the following ticks)."""
+        return self._forced_left <= 0
+
     def overdue(self, now: float) -> Iterator[tuple[Program, str]]:
-        """(program, worker) for each call held past its wait limit, to resume by force.
-        Retried at every tick while no worker accepts programs (a worker may come back
-        between two ticks)."""
+        """(program, worker) for each call held past its wait limit, to resume by force,
+        earliest deadline first, while the tick's budget lasts (the rest stay in the heap, due
+        at the next tick). Retried at every tick while no worker accepts programs (a worker
+        may come back between two ticks)."""
         retry: list[tuple[float, str]] = []
         room: dict[str, float] | None = None  # kept across this tick's forced resumes
-        for entry in self._wait_deadlines.pop_due(now):
+        for entry in self._wait_deadlines.pop_due(now) if self._forced_left > 0 else ():
             call = self._calls.get(entry[1])
             if call is None or call.worker is not None:
                 continue  # admitted or gone
@@ -217,22 +234,29 @@ class Resumption:
                 retry.append(entry)  # overdue still: due again at the very next tick
                 continue
             yield program, worker
+            self._forced_left -= 1
             if worker in room:  # only its worker's room changed
                 capacity = self._ledger.worker(worker).capacity_tokens
                 room[worker] = capacity - self._ledger.load_tokens(worker)
+            if self._forced_left <= 0:
+                break  # the rest stay in the heap (invariant 2)
         for entry in retry:
             self._wait_deadlines.push(entry)  # keeps invariant 2
 
     def forced(self, now: float) -> Iterator[tuple[Program, str]]:
-        """(program, worker) for each program parked ``force_resume_after_s``, room or not."""
+        """(program, worker) for each program parked ``force_resume_after_s``, room or not,
+        earliest deadline first, while the tick's budget lasts (the rest stay due)."""
         retry = []
-        for entry in self.lot.due(now):
+        for entry in self.lot.due(now) if self._forced_left > 0 else ():
             program = self._programs[entry[1]]
             worker = force_target(program, self._ledger)
             if worker is None:
                 retry.append(entry)  # nothing to run yet, or no worker: try again next tick
                 continue
             yield program, worker
+            self._forced_left -= 1
+            if self._forced_left <= 0:
+                break  # the rest stay in the lot's heap, due at the next tick
         for entry in retry:
             self.lot.retry(entry)
 
@@ -290,18 +314,32 @@ class Resumption:
         smallest = queue.min_demand()
         if smallest is None or smallest + buffer > headroom:
             return
-        for session, demand in queue.in_order():
-            if demand + buffer > headroom or session not in queue:
-                continue
-            program = self._programs[session]
-            worker = placement.resume_target(program, demand)
-            if worker is None:
-                continue
-            yield program, worker
-            headroom = placement.max_headroom(limit)
-            smallest = queue.min_demand()
-            if smallest is None or smallest + buffer > headroom:
-                break
+        # Only the entries that fit the headroom are read (ResumeQueue.fitting), in resume
+        # order: a resume takes only its own program out of the queue and adds load, so the
+        # headroom shrinks and what did not fit still does not; should it grow (a resumed
+        # program sharing much of a worker's prefix), what follows is read again.
+        after = None
+        while True:
+            bound = headroom
+            fresh = True
+            for key, demand in queue.fitting(bound - buffer + 1, after):  # a token of slack
+                session = key[3]
+                if demand + buffer > headroom or queue.demand(session) != demand:
+                    continue  # too large for the headroom left, or resumed meanwhile
+                program = self._programs[session]
+                worker = placement.resume_target(program, demand)
+                if worker is None:
+                    continue
+                yield program, worker
+                headroom = placement.max_headroom(limit)
+                smallest = queue.min_demand()
+                if smallest is None or smallest + buffer > headroom:
+                    return
+                if headroom > bound:
+                    after, fresh = key, False  # more may fit now: read what follows again
+                    break
+            if fresh:
+                return
 
     def _still_held(self, entry: tuple[float, str]) -> bool:
         call = self._calls.get(entry[1])
