@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,14 +30,17 @@ import pytest
 
 from tests.support.gateway_harness import Gateway, gateway, serve_config, wait_for
 from tests.support.shard_fleet import (
-    CHILDREN,
     CLAUDE_RUNS,
     ROOTS,
+    assert_held_by_owners,
     call,
+    free_port,
     program_headers,
     root_headers,
+    send_every_call,
     simworker_entries,
 )
+
 
 OPS = Path(__file__).resolve().parents[2] / "ops" / "nginx"
 SHARD_KEY_CONF = OPS / "sluice-shard-key.conf"
@@ -59,11 +61,6 @@ NGINX = nginx_binary()
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/setup_proxy.sh "
                                                       "installs it where it runs as root)")
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def shards_conf(listen_port: int, gateways: list[str]) -> str:
@@ -175,13 +172,7 @@ def test_every_call_of_a_program_reaches_the_gateway_that_owns_it(two_shards):
     proxy, gateways, stack = two_shards
     calls = program_headers()
     with httpx.Client(base_url=proxy.url, timeout=30, trust_env=False) as client:
-        for key, headers_list in calls.items():
-            for headers in headers_list:
-                answer = call(client, headers)
-                assert answer.status_code == 200, (key, answer.status_code, answer.text[:300])
-        streamed = call(client, {"x-session-id": ROOTS[0]}, stream=True)
-        assert streamed.status_code == 200, streamed.text[:300]
-        assert streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
+        send_every_call(client, calls)
 
     placed = proxy.placements()
     assert set(placed) == set(calls), set(placed) ^ set(calls)
@@ -194,15 +185,7 @@ def test_every_call_of_a_program_reaches_the_gateway_that_owns_it(two_shards):
     assert min(per_gateway.values()) >= 12, per_gateway
 
     # the gateways agree: each program lives on its owner only, a sub-agent with its parent
-    held = {address(gw): set(gw.programs()) for gw in gateways}
-    for root in ROOTS:
-        assert root in held[owner[root]], (root, owner[root])
-    for child, parent in CHILDREN.items():
-        assert child in held[owner[parent]], (child, parent)
-    a, b = held.values()
-    assert not a & b, f"programs on both gateways: {a & b}"
-    for run in CLAUDE_RUNS:  # the run's main agent and its sub-agent (a program of its own)
-        assert {run, f"{run}-agent"} <= held[owner[run]], (run, owner[run])
+    assert_held_by_owners({address(gw): set(gw.programs()) for gw in gateways}, owner)
 
 
 def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_its_own(two_shards, tmp_path):

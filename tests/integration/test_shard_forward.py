@@ -10,7 +10,6 @@ that cannot be reached gets its programs' calls a JSON 502 ``shard_unreachable``
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -22,18 +21,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.identity import shard_key
 from scheduler.rendezvous import rendezvous_shard
 from tests.support.gateway_harness import Gateway, gateway, serve_config, wait_for
-from tests.support.shard_fleet import CHILDREN, CLAUDE_RUNS, ROOTS, call, program_headers, simworker_entries
+from tests.support.shard_fleet import (
+    ROOTS,
+    assert_held_by_owners,
+    call,
+    free_port,
+    program_headers,
+    send_every_call,
+    simworker_entries,
+)
 
 MAX_BODY = 4096
 # A LONG_TOKENS stream runs for seconds; the 4-token calls take milliseconds.
 TIME_SCALE = 0.2
 LONG_TOKENS = 3000
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -63,22 +65,9 @@ def test_every_program_lives_on_its_owner_whichever_gateway_its_calls_reach(two_
     calls = program_headers()
     owner = {key: rendezvous_shard(shard_key(headers[0]), 2) for key, headers in calls.items()}
     with httpx.Client(base_url=gateways[entry].url, timeout=30, trust_env=False) as client:
-        for key, headers_list in calls.items():
-            for headers in headers_list:
-                answer = call(client, headers)
-                assert answer.status_code == 200, (key, answer.status_code, answer.text[:300])
-        streamed = call(client, {"x-session-id": ROOTS[0]}, stream=True)
-        assert streamed.status_code == 200, streamed.text[:300]
-        assert streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
+        send_every_call(client, calls)
 
-    held = [set(gw.programs()) for gw in gateways]
-    for root in ROOTS:
-        assert root in held[owner[root]], (root, owner[root])
-    for child, parent in CHILDREN.items():
-        assert child in held[owner[parent]], (child, parent)
-    for run in CLAUDE_RUNS:
-        assert {run, f"{run}-agent"} <= held[owner[run]], (run, owner[run])
-    assert not held[0] & held[1], held[0] & held[1]
+    assert_held_by_owners([set(gw.programs()) for gw in gateways], owner)
     other = 1 - entry
     sent_on = sum(len(headers) for key, headers in calls.items() if owner[key] == other)
     sent_on += owner[ROOTS[0]] == other  # the streamed call
@@ -137,7 +126,9 @@ def test_a_client_that_leaves_a_forwarded_stream_stops_the_owner_s_call(two_gate
         with client.stream("POST", "/v1/chat/completions", json=body,
                            headers={"x-session-id": stray}) as answer:
             assert answer.status_code == 200
-            next(answer.iter_raw())  # the stream runs
+            chunks = answer.iter_raw()  # kept: a generator dropped closes the stream
+            next(chunks)  # the stream runs
+            time.sleep(0.5)
             assert gateways[1].programs()[stray]["in_flight"] == 1
         left = time.monotonic()
     # the owner's call ends with the client, not after the LONG_TOKENS it was asked for (the

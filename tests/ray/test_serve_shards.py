@@ -11,7 +11,6 @@ its place. Skipped, saying why, when Ray Serve cannot be imported (the ``ray`` e
 from __future__ import annotations
 
 import importlib.util
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -30,14 +29,16 @@ from ray_fleet.rollout import gateway_counts  # noqa: E402
 from scheduler.rendezvous import rendezvous_shard  # noqa: E402
 from tests.support.gateway_harness import ADMIN_TOKEN  # noqa: E402
 from tests.support.shard_fleet import (  # noqa: E402
-    CHILDREN,
-    CLAUDE_RUNS,
     ROOTS,
+    assert_held_by_owners,
     call,
+    free_port,
     program_headers,
     root_headers,
+    send_every_call,
     simworker_entries,
 )
+
 
 SHARDS = 2
 # Long enough that a call of LONG_TOKENS is in flight for seconds, short enough that the
@@ -45,11 +46,6 @@ SHARDS = 2
 TIME_SCALE = 0.2
 LONG_TOKENS = 2000
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def admin(shard: int) -> dict[str, str]:
@@ -94,13 +90,7 @@ def test_every_call_of_a_program_reaches_the_replica_that_owns_it(serve_url):
     owner = {key: rendezvous_shard(shard_key(headers[0]), SHARDS) for key, headers in calls.items()}
     with httpx.Client(base_url=serve_url, timeout=60, trust_env=False) as client:
         before = [chats_on(client, shard) for shard in range(SHARDS)]
-        for key, headers_list in calls.items():
-            for headers in headers_list:
-                answer = call(client, headers)
-                assert answer.status_code == 200, (key, answer.status_code, answer.text[:300])
-        streamed = call(client, {"x-session-id": ROOTS[0]}, stream=True)
-        assert streamed.status_code == 200, streamed.text[:300]
-        assert streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
+        send_every_call(client, calls)
 
         # each replica answered exactly the calls of the programs it owns
         expected = [sum(len(calls[key]) for key in calls if owner[key] == shard) for shard in range(SHARDS)]
@@ -110,14 +100,7 @@ def test_every_call_of_a_program_reaches_the_replica_that_owns_it(serve_url):
         assert min(expected) >= 12, expected  # both shards take programs
 
         # and holds those programs only, a sub-agent with its parent, over its own workers
-        held = [programs_on(client, shard) for shard in range(SHARDS)]
-        for root in ROOTS:
-            assert root in held[owner[root]], (root, owner[root])
-        for child, parent in CHILDREN.items():
-            assert child in held[owner[parent]], (child, parent)
-        for run in CLAUDE_RUNS:
-            assert {run, f"{run}-agent"} <= held[owner[run]], (run, owner[run])
-        assert not held[0] & held[1], f"programs on both replicas: {held[0] & held[1]}"
+        assert_held_by_owners([programs_on(client, shard) for shard in range(SHARDS)], owner)
         for shard in range(SHARDS):
             workers = client.get("/sluice/workers", headers=admin(shard)).json()["workers"]
             names = sorted(worker["name"] for worker in workers)

@@ -5,6 +5,8 @@ of two agents — with the headers of each call."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -57,3 +59,36 @@ def simworker_entries(stack: ExitStack, names: list[str], time_scale: float = 0.
         entries.append({"name": name, "url": server.url, "capacity_tokens": 8192,
                         "directives": app.state.worker.directives.bound_endpoint})
     return entries
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def send_every_call(client: httpx.Client, calls: Mapping[str, list[dict[str, str]]]) -> None:
+    """Every call of :func:`program_headers`, then one streamed call of the first root; each
+    must be answered in full."""
+    for key, headers_list in calls.items():
+        for headers in headers_list:
+            answer = call(client, headers)
+            assert answer.status_code == 200, (key, answer.status_code, answer.text[:300])
+    streamed = call(client, {"x-session-id": ROOTS[0]}, stream=True)
+    assert streamed.status_code == 200, streamed.text[:300]
+    assert streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
+
+
+def assert_held_by_owners(held: Mapping[Any, set[str]] | Sequence[set[str]], owner: Mapping[str, Any]) -> None:
+    """Each program lives on its root's owner (``held[owner[root]]``), a sub-agent with its
+    parent, a Claude Code run's agents with the run, and no program on two shards."""
+    for root in ROOTS:
+        assert root in held[owner[root]], (root, owner[root])
+    for child, parent in CHILDREN.items():
+        assert child in held[owner[parent]], (child, parent)
+    for run in CLAUDE_RUNS:  # the run's main agent and its sub-agent (a program of its own)
+        assert {run, f"{run}-agent"} <= held[owner[run]], (run, owner[run])
+    shards = list(held.values()) if isinstance(held, Mapping) else list(held)
+    for i, one in enumerate(shards):
+        for other in shards[i + 1:]:
+            assert not one & other, f"programs on two shards: {one & other}"
