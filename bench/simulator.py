@@ -5,10 +5,17 @@
   ``experiments/data/mooncake/``; if it is missing this line is skipped with a note on stderr.
 - ``sim_cc512_30min_s``: SWE-bench workload, 512 programs in a closed loop, 8 workers,
   1,800 simulated seconds.
+- ``sim_64x4096_30min_s``: the same at fleet scale, 4,096 programs on 64 workers for 1,800
+  simulated seconds. It takes far longer than the rest of ``make bench`` together (~15–20 min
+  of CPU on the 2-core development machine, extrapolated from its first 300 simulated s;
+  design notes "Simulator speed"), so it runs only when asked:
+  ``SLUICE_BENCH_FLEET=1 python -m bench --only sim`` (or ``make bench`` with it set);
+  otherwise a note on stderr says it was skipped.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -36,10 +43,26 @@ def run_mooncake(path: Path = MOONCAKE) -> None:
 
 
 def run_cc512() -> None:
+    _closed_loop("sim_cc512_30min_s", "CC512", programs=512, workers=8)
+
+
+# The environment variable that turns the fleet-scale line on.
+FLEET_ENV = "SLUICE_BENCH_FLEET"
+
+
+def run_fleet() -> None:
+    """``sim_64x4096_30min_s``, only when :data:`FLEET_ENV` is set to 1."""
+    if os.environ.get(FLEET_ENV) != "1":
+        progress(f"skipping sim_64x4096_30min_s (~15-20 min): set {FLEET_ENV}=1 to run it")
+        return
+    _closed_loop("sim_64x4096_30min_s", "64x4096", programs=4096, workers=64)
+
+
+def _closed_loop(name: str, label: str, *, programs: int, workers: int) -> None:
     start = time.perf_counter()
-    [outcome] = run_policies(["program_aware"], lambda: workload_feed("swebench", 512, 7),
-                             workers=8, preset="llama3.1-8b-h100", duration_s=1800.0,
+    [outcome] = run_policies(["program_aware"], lambda: workload_feed("swebench", programs, 7),
+                             workers=workers, preset="llama3.1-8b-h100", duration_s=1800.0,
                              show_progress=False)
     elapsed = time.perf_counter() - start
-    progress(f"CC512: {outcome.calls_completed:,} calls, {outcome.output_tokens_per_s:.0f} out tok/s simulated")
-    result("sim_cc512_30min_s", elapsed, "s")
+    progress(f"{label}: {outcome.calls_completed:,} calls, {outcome.output_tokens_per_s:.0f} out tok/s simulated")
+    result(name, elapsed, "s")

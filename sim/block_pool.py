@@ -18,6 +18,13 @@ What is kept exactly, because hit rates and events depend on it:
 Since every free block without a hash precedes every cached one in vLLM's queue, the pool
 keeps them in a queue of their own that is always served first.
 
+Speed (the simulator frees and takes back whole prompts, hundreds of blocks, at every call):
+reference counts, hash flags, eviction classes and owners are arrays, and the free queues are
+lazy (``_FreeQueue``): a free appends its blocks as one segment, a prefix hit only changes
+their stamps, and allocation skips entries whose stamp is no longer their block's. The order
+blocks are handed out in, and every event, are those of the per-block queues this replaces
+(checked against them op by op on random sequences, retention included).
+
 Sluice adds the retention bias of architecture.md §5.4 (the engine plugin's semantics): a free
 block sits in the queue of its eviction class; allocation takes from the lowest class
 first, LRU inside a class. Without directives every block is in the normal class and the
@@ -33,9 +40,12 @@ goes when the last block holding it is evicted. Off, the events are vLLM's own, 
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from scheduler.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
@@ -48,6 +58,43 @@ MEDIUM_GPU = "GPU"
 # The retention expiry heap is rebuilt from its live entries once its stale ones exceed them
 # by this many.
 EXPIRY_SLACK = 64
+# The free queues are rebuilt from their standing entries once they hold more than this many
+# times as many entries as the pool has blocks, plus QUEUE_MIN.
+QUEUE_SLACK = 3
+QUEUE_MIN = 1024
+# Allocations of at most this many blocks take them entry by entry (array operations cost more
+# than they save on a few).
+SMALL = 4
+
+
+def _ids(block_ids: Iterable[int]) -> np.ndarray:
+    """Block ids as an array (an array of them is taken as it is)."""
+    if isinstance(block_ids, (list, tuple, np.ndarray)):
+        return np.asarray(block_ids, dtype=np.intp)
+    return np.fromiter(block_ids, dtype=np.intp)
+
+
+class _FreeQueue:
+    """One eviction class's free blocks in LRU order (front evicted first), kept lazily as a
+    queue of segments, each the blocks of one free (an array) with the stamp of its first
+    entry (entry ``j`` has stamp ``first + j``) and how far it has been taken. An entry stands
+    only while its block's stamp (``BlockPool._stamp``) is the entry's: taking a block back (a
+    prefix hit) or queueing it again elsewhere (a new class) changes its stamp, so a request's
+    blocks are queued and taken back with a few array operations, not one per block."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self) -> None:
+        # [blocks, stamp of blocks[0], index of the first entry not yet taken]
+        self.segments: deque[list] = deque()
+
+    def standing(self, stamp: np.ndarray) -> list[np.ndarray]:
+        """The standing entries' blocks, head first, segment by segment."""
+        parts = []
+        for blocks, first, pos in self.segments:
+            rest = blocks[pos:]
+            parts.append(rest[stamp[rest] == np.arange(first + pos, first + len(blocks))])
+        return parts
 
 
 class PoolExhausted(RuntimeError):
@@ -68,23 +115,36 @@ class BlockPool:
         self.attribute_removals = attribute_removals and enable_events
         # hash -> (continuation id, prefix tokens) of its first caching (attribute_removals)
         self._admitted: dict[BlockHash, tuple[str | None, int]] = {}
-        self.ref_cnt = [0] * num_blocks
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int64)
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._hashed = np.zeros(num_blocks, dtype=bool)  # block_hash[i] is not None
         # hash -> block id, or {block id: None} when duplicates exist (first one wins lookups)
         self._cached: dict[BlockHash, int | dict[int, None]] = {}
         self._duplicated = 0  # how many hashes map to more than one block
-        # eviction class -> free blocks in LRU order (front evicted first)
-        self._free: dict[int, OrderedDict[int, None]] = {
-            UNHASHED_CLASS: OrderedDict((i, None) for i in range(1, num_blocks)),
-            NORMAL_CLASS: OrderedDict(),
-        }
+        # eviction class -> free blocks in LRU order (front evicted first); a block's queue
+        # entry stands while its stamp is the entry's (0: the block is in no queue)
+        self._free: dict[int, _FreeQueue] = {UNHASHED_CLASS: _FreeQueue(), NORMAL_CLASS: _FreeQueue()}
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)
+        self._next_stamp = 1
+        self._entries = 0  # queue entries, standing or not
+        self._free_count = 0
+        self._block_class = np.full(num_blocks, UNHASHED_CLASS, dtype=np.int64)
+        self._push(UNHASHED_CLASS, np.arange(1, num_blocks))
         self._free_count = num_blocks - 1
-        self._block_class: list[int] = [UNHASHED_CLASS] * num_blocks
+        # the eviction classes in allocation order (lowest first), kept as classes appear
+        self._classes: list[int] = sorted(self._free)
+        # bumped whenever the hash → block map changes, so callers may keep a lookup's
+        # result (``longest_hit``) while it holds
+        self.version = 0
         self._events: list[KVEvent] = []
         # retention: session -> (class, expires_at); session -> block ids it last freed
         self._session_class: dict[str, tuple[int, float]] = {}
         self._session_blocks: dict[str, dict[int, None]] = {}
-        self._block_session: list[str | None] = [None] * num_blocks
+        # each block's owner (the session that last freed it with a hash), as an index into
+        # _session_names (-1: none)
+        self._owner = np.full(num_blocks, -1, dtype=np.int64)
+        self._session_index: dict[str, int] = {}
+        self._session_names: list[str] = []
         self._expiries: list[tuple[float, str]] = []
 
     # -- queries ---------------------------------------------------------------------
@@ -126,7 +186,14 @@ class BlockPool:
 
     def free_queue_order(self) -> list[int]:
         """Free block ids in the order they would be handed out (vLLM's free queue, head first)."""
-        return [block_id for cls in sorted(self._free) for block_id in self._free[cls]]
+        return [block_id for cls in self._classes
+                for part in self._free[cls].standing(self._stamp) for block_id in part.tolist()]
+
+    def count_free(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` (each time it is named) nobody references."""
+        if not len(block_ids):
+            return 0
+        return int(np.count_nonzero(self.ref_cnt[_ids(block_ids)] == 0))
 
     # -- allocation ------------------------------------------------------------------
 
@@ -136,26 +203,71 @@ class BlockPool:
             raise PoolExhausted(f"cannot get {n} free blocks, {self._free_count} free")
         if n <= 0:
             return []
-        self._expire(now)
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire(now)
         taken: list[int] = []
-        for cls in sorted(self._free):
-            queue = self._free[cls]
-            while queue and len(taken) < n:
-                block_id, _ = queue.popitem(last=False)
-                taken.append(block_id)
-            if len(taken) == n:
+        stamp = self._stamp
+        need = n
+        for cls in self._classes:
+            segments = self._free[cls].segments
+            while need and segments:
+                segment = segments[0]
+                blocks, first, pos = segment
+                size = len(blocks)
+                if need <= SMALL:  # a few blocks (a decode step's): entry by entry
+                    end = min(size, pos + 2 * SMALL)
+                    while pos < end and need:
+                        block_id = int(blocks[pos])
+                        if stamp[block_id] == first + pos:
+                            taken.append(block_id)
+                            need -= 1
+                        pos += 1
+                    end = pos
+                else:
+                    end = min(size, pos + max(2 * need, 64))
+                    window = blocks[pos:end]
+                    standing = np.flatnonzero(stamp[window] == np.arange(first + pos, first + end))
+                    if len(standing) > need:
+                        standing = standing[:need]
+                        end = pos + int(standing[-1]) + 1
+                    taken += window[standing].tolist()
+                    need -= len(standing)
+                self._entries -= end - segment[2]
+                if end == size:
+                    segments.popleft()
+                else:
+                    segment[2] = end
+            if not need:
                 break
         self._free_count -= n
-        for block_id in taken:
-            if self.enable_caching and self.block_hash[block_id] is not None:
-                self._evict(block_id)
-            self._forget_owner(block_id)
-            self.ref_cnt[block_id] = 1
+        # the same work block by block as one pass each: evictions (and their events) in the
+        # order the blocks were taken, then owners and references, which no event depends on
+        if self.enable_caching:
+            block_hash = self.block_hash
+            for block_id in taken:
+                if block_hash[block_id] is not None:
+                    self._evict(block_id)
+        if n <= SMALL:
+            owner = self._owner
+            ref = self.ref_cnt
+            for block_id in taken:
+                stamp[block_id] = 0
+                if owner[block_id] >= 0:
+                    self._forget_owner(block_id)
+                ref[block_id] = 1
+        else:
+            taken_ids = np.asarray(taken, dtype=np.intp)
+            stamp[taken_ids] = 0
+            for block_id in taken_ids[self._owner[taken_ids] >= 0].tolist():
+                self._forget_owner(block_id)
+            self.ref_cnt[taken_ids] = 1
         return taken
 
     def _evict(self, block_id: int) -> None:
+        self.version += 1
         block_hash = self.block_hash[block_id]
         self.block_hash[block_id] = None
+        self._hashed[block_id] = False
         entry = self._cached.get(block_hash)
         if isinstance(entry, int):
             if entry == block_id:
@@ -180,66 +292,111 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A prefix hit: take the blocks out of the free queue if they were free."""
+        ids = _ids(block_ids)
+        if not len(ids):
+            return
         ref = self.ref_cnt
-        free = self._free
-        block_class = self._block_class
-        taken = 0
-        for block_id in block_ids:
-            if ref[block_id] == 0 and block_id != 0:
-                del free[block_class[block_id]][block_id]
-                taken += 1
-            ref[block_id] += 1
-        self._free_count -= taken
+        before = ref[ids]
+        was_free = ids[(before == 0) & (ids != 0)]
+        np.add.at(ref, ids, 1)
+        if len(was_free):
+            if len(ids) > 1 and int((ref[ids] - before).max()) > 1:  # a block named twice
+                was_free = np.unique(was_free)
+            self._stamp[was_free] = 0  # out of its queue
+            self._free_count -= len(was_free)
 
     def free_blocks(self, ordered_ids: Iterable[int], session_id: str | None = None) -> None:
         """Drop one reference from each block, in eviction order (callers pass a request's
         blocks reversed, as vLLM does). ``session_id`` names the request's session: its
         freed cached blocks take the session's retention class."""
+        ids = _ids(ordered_ids)
         ref = self.ref_cnt
-        block_hash = self.block_hash
-        block_class = self._block_class
-        caching = self.enable_caching
-        cls = NORMAL_CLASS if session_id is None else self._class_of(session_id)
+        if len(ids):
+            before = ref[ids]
+            np.subtract.at(ref, ids, 1)
+            after = ref[ids]
+            if int(after.min()) < 0:
+                raise RuntimeError(f"block {int(ids[np.argmin(after)])} freed more often than allocated")
+            freed = ids[(after == 0) & (ids != 0)]
+            if len(freed) > 1 and int((before - after).max()) > 1:
+                # a block named twice: it is freed where its count reaches 0, its last naming
+                last = {int(block_id): i for i, block_id in enumerate(ids.tolist())}
+                freed = np.asarray(sorted({b for b in freed.tolist()}, key=last.__getitem__),
+                                   dtype=np.intp)
+        else:
+            freed = ids
+        if not len(freed):
+            if session_id is not None and not self._session_blocks.get(session_id, True):
+                del self._session_blocks[session_id]
+            return
+        self._free_count += len(freed)
+        if self.enable_caching:
+            hashed_mask = self._hashed[freed]
+            hashed = freed[hashed_mask]
+            unhashed = freed[~hashed_mask] if len(hashed) != len(freed) else freed[:0]
+        else:
+            hashed, unhashed = freed[:0], freed
+        if len(hashed):
+            cls = NORMAL_CLASS if session_id is None else self._class_of(session_id)
+            self._push(cls, hashed)
+        if session_id is not None:
+            owner = self._owner
+            index = self._session_index.get(session_id)
+            if index is None:
+                index = self._session_index[session_id] = len(self._session_names)
+                self._session_names.append(session_id)
+            session_blocks = self._session_blocks
+            owned = session_blocks.setdefault(session_id, {})
+            changed = hashed[owner[hashed] != index]
+            names = self._session_names
+            for block_id, previous in zip(changed.tolist(), owner[changed].tolist()):
+                if previous >= 0:
+                    del session_blocks[names[previous]][block_id]
+                owned[block_id] = None
+            owner[changed] = index
+            if not owned:
+                del session_blocks[session_id]
+        if len(unhashed):
+            # vLLM prepends blocks without a hash, keeping their given order at the front.
+            self._push(UNHASHED_CLASS, unhashed, front=True)
+
+    def _push(self, cls: int, block_ids: np.ndarray, *, front: bool = False) -> None:
+        """Queue ``block_ids`` (in this order) in class ``cls``, at its tail or its front."""
+        first = self._next_stamp
+        self._next_stamp = first + len(block_ids)
+        self._stamp[block_ids] = np.arange(first, self._next_stamp)
+        self._block_class[block_ids] = cls
+        segments = self._queue(cls).segments
+        if front:
+            segments.appendleft([block_ids, first, 0])
+        else:
+            segments.append([block_ids, first, 0])
+        self._entries += len(block_ids)
+        if self._entries > QUEUE_SLACK * self.num_blocks + QUEUE_MIN:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the queue entries that no longer stand, keeping the order of the rest (each
+        class's in one segment)."""
+        self._entries = 0
+        for queue in self._free.values():
+            parts = queue.standing(self._stamp)
+            queue.segments.clear()
+            blocks = np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
+            if len(blocks):
+                first = self._next_stamp
+                self._next_stamp = first + len(blocks)
+                self._stamp[blocks] = np.arange(first, self._next_stamp)
+                queue.segments.append([blocks, first, 0])
+                self._entries += len(blocks)
+
+    def _queue(self, cls: int) -> _FreeQueue:
+        """The free queue of eviction class ``cls`` (made on first use)."""
         queue = self._free.get(cls)
         if queue is None:
-            queue = self._free[cls] = OrderedDict()
-        if session_id is not None:
-            owner = self._block_session
-            owned = self._session_blocks.setdefault(session_id, {})
-            session_blocks = self._session_blocks
-        unhashed: list[int] = []
-        freed = 0
-        for block_id in ordered_ids:
-            count = ref[block_id] - 1
-            ref[block_id] = count
-            if count > 0 or block_id == 0:
-                if count < 0:
-                    raise RuntimeError(f"block {block_id} freed more often than allocated")
-                continue
-            if count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            freed += 1
-            if not caching or block_hash[block_id] is None:
-                unhashed.append(block_id)
-                block_class[block_id] = UNHASHED_CLASS
-                continue
-            block_class[block_id] = cls
-            queue[block_id] = None
-            if session_id is not None:
-                previous = owner[block_id]
-                if previous != session_id:
-                    if previous is not None:
-                        del session_blocks[previous][block_id]
-                    owner[block_id] = session_id
-                    owned[block_id] = None
-        self._free_count += freed
-        if session_id is not None and not owned:
-            del session_blocks[session_id]
-        # vLLM prepends blocks without a hash, keeping their given order at the front.
-        front = self._free[UNHASHED_CLASS]
-        for block_id in reversed(unhashed):
-            front[block_id] = None
-            front.move_to_end(block_id, last=False)
+            queue = self._free[cls] = _FreeQueue()
+            bisect.insort(self._classes, cls)
+        return queue
 
     # -- caching ---------------------------------------------------------------------
 
@@ -255,26 +412,32 @@ class BlockPool:
         """
         if not self.enable_caching or num_cached >= num_full:
             return
+        self.version += 1
         new_hashes: list[BlockHash] = []
         admitted = self._admitted if self.attribute_removals else None
+        block_hashes = self.block_hash
+        hashed_flags = self._hashed
+        cached = self._cached
+        block_size = self.block_size
         for i in range(num_cached, num_full):
             block_id = block_ids[i]
             if block_id == 0:
                 continue
             block_hash = hashes[i]
-            if self.block_hash[block_id] is not None:
+            if block_hashes[block_id] is not None:
                 raise RuntimeError(f"block {block_id} is already cached")
-            self.block_hash[block_id] = block_hash
-            entry = self._cached.get(block_hash)
+            block_hashes[block_id] = block_hash
+            hashed_flags[block_id] = True
+            entry = cached.get(block_hash)
             if entry is None:
-                self._cached[block_hash] = block_id
+                cached[block_hash] = block_id
             elif isinstance(entry, int):
-                self._cached[block_hash] = {entry: None, block_id: None}
+                cached[block_hash] = {entry: None, block_id: None}
                 self._duplicated += 1
             else:
                 entry[block_id] = None
             if admitted is not None and block_hash not in admitted:
-                admitted[block_hash] = (continuation_id, (i + 1) * self.block_size)
+                admitted[block_hash] = (continuation_id, (i + 1) * block_size)
             new_hashes.append(block_hash)
         if self.enable_events:
             parent = hashes[num_cached - 1] if num_cached > 0 else None
@@ -304,9 +467,11 @@ class BlockPool:
         if self._free_count != self.num_blocks - 1:
             return False
         self._cached.clear()
+        self.version += 1
         self._admitted.clear()
         self._duplicated = 0
         self.block_hash = [None] * self.num_blocks
+        self._hashed[:] = False
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True
@@ -370,19 +535,20 @@ class BlockPool:
 
     def _reclass(self, session_id: str, cls: int) -> None:
         """Move the session's free blocks to ``cls``, keeping their relative LRU order."""
-        for block_id in self._session_blocks.get(session_id, ()):
-            if (self.ref_cnt[block_id] != 0 or self._block_class[block_id] == cls
-                    or self.block_hash[block_id] is None):
-                continue
-            del self._free[self._block_class[block_id]][block_id]
-            self._block_class[block_id] = cls
-            self._free.setdefault(cls, OrderedDict())[block_id] = None
+        owned = self._session_blocks.get(session_id)
+        if not owned:
+            return
+        ids = np.fromiter(owned, dtype=np.intp, count=len(owned))
+        moved = ids[(self.ref_cnt[ids] == 0) & (self._block_class[ids] != cls) & self._hashed[ids]]
+        if len(moved):
+            self._push(cls, moved)
 
     def _forget_owner(self, block_id: int) -> None:
-        previous = self._block_session[block_id]
-        if previous is not None:
-            owned = self._session_blocks[previous]
+        previous = int(self._owner[block_id])
+        if previous >= 0:
+            name = self._session_names[previous]
+            owned = self._session_blocks[name]
             owned.pop(block_id, None)
             if not owned:
-                del self._session_blocks[previous]
-            self._block_session[block_id] = None
+                del self._session_blocks[name]
+            self._owner[block_id] = -1

@@ -47,6 +47,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
+
 from scheduler.kv_events import KVEvent
 from sim.block_pool import BlockPool
 from sim.engine_request import EngineRequest
@@ -110,6 +112,8 @@ class Engine:
         self._step_start = 0.0
         self._run: _DecodeRun | None = None
         self._order = 0
+        # (request, limit, pool version, hit, hit as an array): _admission_cost's last lookup
+        self._hit_memo: tuple[EngineRequest, int, int, list[int], np.ndarray] | None = None
         self.finished: list[EngineRequest] = []
         # the host KV tier's connector, when the model has one
         self.offloading = (OffloadingConnector(self.pool, model, enable_events=enable_events)
@@ -189,9 +193,8 @@ class Engine:
             self.offloading.progress(now)
         if not self.has_work():
             return None
-        run_steps = self._decode_run_length()
+        run_steps, context = self._decode_run_length()
         if run_steps >= 2:
-            context = sum(r.num_computed + 1 for r in self.running)
             first_done = None if self.offloading is None else self.offloading.first_load_done()
             if first_done is not None:
                 # the scheduler admits a loaded request at the first step after its load
@@ -245,8 +248,9 @@ class Engine:
             self.stats.steps += 1
             self.stats.busy_s += end - self._step_start
             for request, n in self._step:
-                request.num_computed += n
-                if request.num_computed >= request.seq_len:
+                computed = request.num_computed + n
+                request.num_computed = computed
+                if computed >= request.prompt_tokens + request.num_output:
                     self._sample(request, end, 1, done)
             self._step = None
         else:
@@ -275,23 +279,31 @@ class Engine:
         for i, c0 in enumerate(starts):
             # the steps whose token starts a new block, and those whose token fills one
             first = (1 - c0) % bs or bs
-            points.extend((s, i) for s in range(first, steps + 1, bs))
+            points += [(s, i) for s in range(first, steps + 1, bs)]
             if bs > 1:
                 first = (-c0) % bs or bs
-                points.extend((s, i) for s in range(first, steps + 1, bs))
+                points += [(s, i) for s in range(first, steps + 1, bs)]
         points.sort()
+        # decode_run_s(seqs, run.context_tokens, s) term by term, for the allocations' times
+        model = self.model
         seqs = len(requests)
+        per_step = model.base_s + model.seq_s * seqs + model.context_token_s * run.context_tokens
+        growth = model.context_token_s * seqs
+        start = run.start
         for s, i in points:
             request = requests[i]
             computed = starts[i] + s
-            need = -(-computed // bs) - len(request.block_ids)
+            block_ids = request.block_ids
+            need = -(-computed // bs) - len(block_ids)
             if need > 0:
-                at = run.start + self.model.decode_run_s(seqs, run.context_tokens, s - 1)
-                request.block_ids.extend(pool.get_new_blocks(need, at))
-            num_full = min(computed // bs, len(request.hashes))
+                k = s - 1  # the steps before this one
+                at = start + (k * per_step + growth * k * (k - 1) / 2.0)
+                block_ids += pool.get_new_blocks(need, at)
+            hashes = request.hashes
+            num_full = min(computed // bs, len(hashes))
             if num_full > request.num_cached_blocks:
                 tokens = request.token_ids
-                pool.cache_full_blocks(request.block_ids, request.hashes, request.num_cached_blocks,
+                pool.cache_full_blocks(block_ids, hashes, request.num_cached_blocks,
                                        num_full, session_id=request.session_id,
                                        continuation_id=request.continuation_id,
                                        token_ids=None if tokens is None
@@ -304,7 +316,12 @@ class Engine:
                 # a prefill chunk ended one token short: the run's first step samples the
                 # first token
                 request.first_token_at = run.start + self.model.decode_run_s(seqs, run.context_tokens, 1)
-            self._sample(request, end, steps, done)
+            elif request.first_token_at is None:
+                request.first_token_at = end
+            request.num_output += steps
+            if request.num_output >= request.output_tokens:
+                done.append(request)
+        self.stats.output_tokens += steps * seqs
         return done
 
     def _sample(self, request: EngineRequest, now: float, tokens: int, done: list[EngineRequest]) -> None:
@@ -318,45 +335,54 @@ class Engine:
     def _finish(self, request: EngineRequest, now: float) -> None:
         request.finished_at = now
         self.running.remove(request)
-        self.pool.free_blocks(reversed(request.block_ids), request.session_id)
+        self.pool.free_blocks(request.block_ids[::-1], request.session_id)
         request.block_ids = []
         if self.offloading is not None:
             self.offloading.request_finished(request.request_id)
         self.stats.finished += 1
         self.finished.append(request)
 
-    def _decode_run_length(self) -> int:
-        """How many identical pure-decode iterations can run from here (0 if not a run)."""
+    def _decode_run_length(self) -> tuple[int, int]:
+        """How many identical pure-decode iterations can run from here (0 if not a run), and
+        the batch's context tokens in the first of them."""
         running = self.running
         if not running or (self.offloading is not None and self.offloading.loaded):
-            return 0
+            return 0, 0
+        steps = running[0].output_tokens - running[0].num_output
+        context = 0
         for request in running:
-            if request.seq_len - request.num_computed != 1:
-                return 0
-        if len(running) > self.max_num_batched_tokens:
-            return 0
+            computed = request.num_computed
+            if request.prompt_tokens + request.num_output - computed != 1:
+                return 0, 0
+            context += computed + 1
+            left = request.output_tokens - request.num_output
+            if left < steps:
+                steps = left
+        if len(running) > self.max_num_batched_tokens or steps < 2:
+            return 0, 0
         if self.waiting and self._could_admit_head():
-            return 0
-        steps = min(r.output_tokens - r.num_output for r in running)
-        if steps < 2:
-            return 0
+            return 0, 0
         free = self.pool.num_free
-        if self._blocks_for(steps) <= free:
-            return steps
+        bs = self.block_size
+        if len(running) * -(-steps // bs) <= free:
+            return steps, context  # room for a whole block more per request and step run
+        # a request needs a block at each step that takes it past the blocks it holds
+        slack = [len(r.block_ids) * bs - r.num_computed for r in running]
+        if self._blocks_for(slack, steps) <= free:
+            return steps, context
         lo, hi = 0, steps
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._blocks_for(mid) <= free:
+            if self._blocks_for(slack, mid) <= free:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo, context
 
-    def _blocks_for(self, steps: int) -> int:
+    def _blocks_for(self, slack: list[int], steps: int) -> int:
+        """Blocks the running requests need for ``steps`` more tokens each (``slack``: room left)."""
         bs = self.block_size
-        return sum(
-            max(0, -(-(r.num_computed + steps) // bs) - len(r.block_ids)) for r in self.running
-        )
+        return sum(-(-(steps - room) // bs) for room in slack if room < steps)
 
     def _could_admit_head(self) -> bool:
         if len(self.running) >= self.max_num_seqs:
@@ -364,19 +390,28 @@ class Engine:
         if self.max_num_batched_tokens - len(self.running) <= 0:
             return False
         request = self.waiting[0][2]
-        new_blocks, free_hits, _ = self._admission_cost(request, self.max_num_batched_tokens - len(self.running))
+        new_blocks, free_hits, _, _ = self._admission_cost(request, self.max_num_batched_tokens - len(self.running))
         return new_blocks + free_hits <= self.pool.num_free
 
-    def _admission_cost(self, request: EngineRequest, budget: int) -> tuple[int, int, list[int]]:
+    def _admission_cost(self, request: EngineRequest, budget: int) -> tuple[int, int, list[int], np.ndarray]:
         bs = self.block_size
         seq_len = request.seq_len
-        hit = self.pool.longest_hit(request.hashes, (seq_len - 1) // bs)
+        limit = (seq_len - 1) // bs
+        # the waiting head is looked up at every step: keep its hit while the hash map stands
+        memo = self._hit_memo
+        version = self.pool.version
+        if memo is not None and memo[0] is request and memo[1] == limit and memo[2] == version:
+            hit, hit_ids = memo[3], memo[4]
+        else:
+            hit = self.pool.longest_hit(request.hashes, limit)
+            hit_ids = np.asarray(hit, dtype=np.intp)
+            self._hit_memo = (request, limit, version, hit, hit_ids)
         hit_tokens = len(hit) * bs
         n = min(seq_len - hit_tokens, budget)
         new_blocks = -(-(hit_tokens + n) // bs) - len(hit)
         # hit blocks nobody references sit in the free queue: taking them costs free blocks
-        free_hits = list(map(self.pool.ref_cnt.__getitem__, hit)).count(0)
-        return new_blocks, free_hits, hit
+        free_hits = self.pool.count_free(hit_ids)
+        return new_blocks, free_hits, hit, hit_ids
 
     def _schedule(self, now: float) -> list[tuple[EngineRequest, int]]:
         pool = self.pool
@@ -385,10 +420,12 @@ class Engine:
         scheduled: list[tuple[EngineRequest, int]] = []
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            n = min(request.seq_len - request.num_computed, budget)
-            need = -(-(request.num_computed + n) // bs) - len(request.block_ids)
+        running = self.running
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed
+            n = min(request.prompt_tokens + request.num_output - computed, budget)
+            need = -(-(computed + n) // bs) - len(request.block_ids)
             while need > pool.num_free:
                 victim = self._victim()
                 victim_index = self.running.index(victim)
@@ -406,8 +443,9 @@ class Engine:
             if preempted and request not in self.running:
                 break  # the request itself was preempted: nothing more runs this step
             if need > 0:
-                request.block_ids.extend(pool.get_new_blocks(need, now))
-            self._cache(request, request.num_computed + n)
+                request.block_ids += pool.get_new_blocks(need, now)
+            if (computed + n) // bs > request.num_cached_blocks:  # else _cache has nothing to do
+                self._cache(request, computed + n)
             scheduled.append((request, n))
             budget -= n
             index += 1
@@ -417,7 +455,7 @@ class Engine:
             budget = self._admit_loaded(self.offloading.loaded, scheduled, budget, now)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][2]
-            new_blocks, free_hits, hit = self._admission_cost(request, budget)
+            new_blocks, free_hits, hit, hit_ids = self._admission_cost(request, budget)
             if self.offloading is not None and self.offloading.start_load(request, hit, now):
                 heapq.heappop(self.waiting)  # it waits for the load outside the queue
                 continue
@@ -425,7 +463,7 @@ class Engine:
                 break
             heapq.heappop(self.waiting)
             hit_tokens = len(hit) * bs
-            pool.touch(hit)
+            pool.touch(hit_ids)
             if (self.report_reuse or request.report_reuse) and hit:
                 tokens = request.token_ids
                 pool.emit_cached_block_events(request.hashes, len(hit), session_id=request.session_id,

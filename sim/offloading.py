@@ -98,7 +98,7 @@ class OffloadingConnector:
         loadable = tier.loadable_prefix(request.hashes[len(hit):limit])
         if loadable == 0:
             return False
-        free_hits = list(map(pool.ref_cnt.__getitem__, hit)).count(0)
+        free_hits = pool.count_free(hit)
         if loadable + free_hits > pool.num_free:
             return False
         pool.touch(hit)

@@ -62,6 +62,9 @@ class _Running:
     previous_sequence_tokens: int = 0
     # sessions its next call still waits for (``ProgramSpec.waits_for``)
     waiting_on: int = 0
+    # its continuation chain so far, one entry per turn (Simulation._chain)
+    chain_ids: list[ContinuationId] = field(default_factory=list)
+    chain_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -337,7 +340,7 @@ class Simulation:
         prompt_blocks = call_spec.prompt_tokens // bs
         request_id = f"{spec.session_id}#{k}"
         final = k == len(spec.calls) - 1
-        chain, chain_tokens = self._chain(spec, k)
+        chain, chain_tokens = self._chain(program, k)
         request = CallRequest(
             request_id=request_id,
             session_id=SessionId(spec.session_id),
@@ -366,16 +369,19 @@ class Simulation:
         if isinstance(decision, Admit):
             self._dispatch(decision, now)
 
-    def _chain(self, spec: ProgramSpec, k: int) -> tuple[ContinuationChain, tuple[int, ...]]:
-        """Continuation ids at message granularity: family prefix, task, then one per turn."""
-        ids = [ContinuationId(f"f{spec.family}")]
-        tokens = [spec.shared_prefix_tokens]
-        ids.append(ContinuationId(f"p{spec.index}"))
-        tokens.append(spec.calls[0].prompt_tokens)
-        for turn in range(1, k + 1):
+    def _chain(self, program: _Running, k: int) -> tuple[ContinuationChain, tuple[int, ...]]:
+        """Continuation ids at message granularity: family prefix, task, then one per turn
+        (kept on the program and extended turn by turn)."""
+        spec = program.spec
+        ids = program.chain_ids
+        tokens = program.chain_tokens
+        if not ids:
+            ids += (ContinuationId(f"f{spec.family}"), ContinuationId(f"p{spec.index}"))
+            tokens += (spec.shared_prefix_tokens, spec.calls[0].prompt_tokens)
+        for turn in range(len(ids) - 1, k + 1):
             ids.append(ContinuationId(f"p{spec.index}.{turn}"))
             tokens.append(spec.calls[turn].prompt_tokens)
-        return ContinuationChain(tuple(ids)), tuple(tokens)
+        return ContinuationChain(tuple(ids[:k + 2])), tuple(tokens[:k + 2])
 
     def _dispatch(self, admit: Admit, now: float) -> None:
         call = self._calls[admit.request_id]

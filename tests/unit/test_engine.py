@@ -453,7 +453,7 @@ def test_waiting_requests_run_lowest_priority_value_first_then_by_arrival():
 
 
 def _single_steps(engine: Engine) -> Engine:
-    engine._decode_run_length = lambda: 0  # type: ignore[method-assign]
+    engine._decode_run_length = lambda: (0, 0)  # type: ignore[method-assign]
     return engine
 
 
