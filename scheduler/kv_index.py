@@ -80,7 +80,7 @@ store, so a well-behaved stream, which stays far below the bound, pays nothing e
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 
@@ -496,6 +496,11 @@ class KVIndex:
 
     def workers(self) -> list[str]:
         return list(self._workers)
+
+    @property
+    def gpu_workers(self) -> Mapping[str, WorkerKV]:
+        """Worker -> its GPU index: a live, read-only view (the ledger's hot reads)."""
+        return self._workers
 
     def apply_batch(self, worker: str, batch: EventBatch) -> int:
         """Apply one batch; returns how many block hashes it carried."""

@@ -52,9 +52,10 @@ class KVQueries:
 
     def prefix_tokens(self, hashes: Sequence[BlockHash]) -> int:
         """Tokens of the longest resident prefix of ``hashes``."""
+        find = self.blocks.get  # bound once: placement asks every worker for every new program
         total = 0
         for block_hash in hashes:
-            block = self.blocks.get(block_hash)
+            block = find(block_hash)
             if block is None:
                 break
             total += block.tokens

@@ -58,6 +58,10 @@ class FixedTokenWeights:
     buffer_per_program: int = 100
 
 
+_Nodes = tuple[tuple[str, int], ...]  # a chain's (continuation id, segment tokens)
+_Source = tuple[tuple[str, ...], tuple[int, ...]]  # a chain's ids and cumulative tokens
+
+
 @dataclass(slots=True)
 class _Counted:
     """What a program currently adds to its worker's sums."""
@@ -65,7 +69,10 @@ class _Counted:
     worker: str
     weighted_demand: float
     demand: int
-    chain: tuple[tuple[str, int], ...]  # (continuation id, segment tokens)
+    chain: _Nodes  # (continuation id, segment tokens)
+    # what ``chain`` was computed from (the program's chain ids and chain tokens), so that a
+    # refresh under the same or an extended chain reuses it (:func:`_chain_segments`)
+    source: _Source | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +98,7 @@ class Ledger:
     def __init__(self, weights: TokenWeights, index: KVIndex) -> None:
         self._config = weights
         self._index = index
+        self._gpu = index.gpu_workers  # a live view: the reads of ``U`` below look up in it
         self._workers: dict[str, WorkerLoad] = {}
         self._counted: dict[str, _Counted] = {}
         # ACTING programs counted at dormant_token_weight (see set_dormant); cleared when
@@ -181,7 +189,7 @@ class Ledger:
         # A dormant program's KV is not counted, so neither is its share of common prefixes
         # (else every dormant program sharing the system prompt would lower U by its size).
         sharing = session not in self._dormant
-        chain = _chain_segments(program) if sharing else ()
+        chain, source = _chain_segments(program, old) if sharing else ((), None)
         if old is not None and old.worker == program.home_worker:
             load = self._workers[old.worker]
             load.weighted_demand += weighted - old.weighted_demand  # keeps invariant 1
@@ -189,7 +197,7 @@ class Ledger:
             if chain != old.chain:  # keeps invariant 2
                 self._ancestry_moved(load, old.chain, chain)
             self._index.worker(load.name).set_counted(session, sharing)
-            old.weighted_demand, old.demand, old.chain = weighted, demand, chain
+            old.weighted_demand, old.demand, old.chain, old.source = weighted, demand, chain, source
             return
         if old is not None:
             self._uncount(session, old)
@@ -198,7 +206,7 @@ class Ledger:
         load.programs[session] = demand
         self._ancestry(load, chain, +1)
         self._index.worker(load.name).set_counted(session, sharing)
-        self._counted[session] = _Counted(load.name, weighted, demand, chain)
+        self._counted[session] = _Counted(load.name, weighted, demand, chain, source)
 
     def forget(self, session: str) -> None:
         """The program was released."""
@@ -272,35 +280,67 @@ class Ledger:
         hit a prefix without reporting it; ancestry misses sharing the chains cannot see),
         so the larger one is the better estimate."""
         ancestry = self._workers[name].ancestry_shared
-        if self._index.has_events(name):
-            return max(ancestry, self._index.worker(name).shared_tokens)
+        kv = self._gpu.get(name)
+        if kv is not None and kv.events_seen > 0:  # the index's ``has_events``
+            return max(ancestry, kv.shared_tokens)
         return ancestry
 
+    # The three below inline :meth:`shared_tokens` and one another: the pause pass and the
+    # placements read them millions of times a simulated hour. Each computes what its
+    # documented expression does, in the same order (the same floats, to the bit).
+
     def load_tokens(self, name: str) -> float:
-        """The numerator of ``U_w`` (:meth:`shared_tokens` inlined: the pause pass and the
-        placements read it after every move)."""
+        """The numerator of ``U_w``."""
         load = self._workers[name]
         shared = load.ancestry_shared
-        index = self._index
-        if index.has_events(name):
-            indexed = index.worker(name).shared_tokens
-            if indexed > shared:
-                shared = indexed
+        kv = self._gpu.get(name)
+        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
+            shared = kv.shared_tokens
         return load.weighted_demand - shared + self._config.buffer_per_program * len(load.programs)
 
     def utilization(self, name: str) -> float:
+        """``load_tokens(name) / capacity`` (:data:`UNKNOWN_CAPACITY_UTILIZATION` without one)."""
         load = self._workers[name]
-        if not load.capacity_tokens:
+        capacity = load.capacity_tokens
+        if not capacity:
             return UNKNOWN_CAPACITY_UTILIZATION
-        return self.load_tokens(name) / load.capacity_tokens
+        shared = load.ancestry_shared
+        kv = self._gpu.get(name)
+        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
+            shared = kv.shared_tokens
+        return (load.weighted_demand - shared
+                + self._config.buffer_per_program * len(load.programs)) / capacity
+
+    def utilizations(self) -> Iterator[tuple[WorkerLoad, float]]:
+        """Each worker with its :meth:`utilization`, in :meth:`workers` order, each read when
+        its turn comes (a caller that moves programs between turns sees the moves): the
+        passes over every worker at every tick."""
+        gpu = self._gpu
+        for load in self._workers.values():
+            capacity = load.capacity_tokens
+            if not capacity:
+                yield load, UNKNOWN_CAPACITY_UTILIZATION
+                continue
+            shared = load.ancestry_shared
+            kv = gpu.get(load.name)
+            if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
+                shared = kv.shared_tokens
+            yield load, (load.weighted_demand - shared
+                         + self._config.buffer_per_program * len(load.programs)) / capacity
 
     def utilization_with(self, name: str, extra_tokens: float, extra_programs: int = 1) -> float:
         """``U_w`` if a program adding ``extra_tokens`` joined ``w``."""
         load = self._workers[name]
-        if not load.capacity_tokens:
+        capacity = load.capacity_tokens
+        if not capacity:
             return UNKNOWN_CAPACITY_UTILIZATION
-        extra = extra_tokens + self._config.buffer_per_program * extra_programs
-        return (self.load_tokens(name) + extra) / load.capacity_tokens
+        buffer = self._config.buffer_per_program
+        shared = load.ancestry_shared
+        kv = self._gpu.get(name)
+        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
+            shared = kv.shared_tokens
+        return ((load.weighted_demand - shared + buffer * len(load.programs))
+                + (extra_tokens + buffer * extra_programs)) / capacity
 
     def contribution(self, session: str) -> float:
         """Tokens ``session`` currently adds to its worker (0 when it is not counted)."""
@@ -314,12 +354,33 @@ class Ledger:
         return None if counted is None else counted.worker
 
 
-def _chain_segments(program: Program) -> tuple[tuple[str, int], ...]:
-    if program.chain is None or program.chain_tokens is None:
-        return ()
+def _chain_segments(program: Program, before: _Counted | None) -> tuple[_Nodes, _Source | None]:
+    """The program's chain as (continuation id, segment tokens) nodes, and what they were
+    computed from. A chain mostly grows at its end, or stays: when ``before``'s source is
+    the same chain or a prefix of it (ids and tokens alike), its nodes are kept and only the
+    new ones computed, which gives the same nodes (each depends on its own and the previous
+    cumulative count alone)."""
+    chain, tokens = program.chain, program.chain_tokens
+    if chain is None or tokens is None:
+        return (), None
+    ids = chain.ids
+    if tokens.__class__ is not tuple or ids.__class__ is not tuple or len(tokens) != len(ids):
+        return _segments(ids, tokens, 0, 0), None  # nothing to reuse from, nor for later
+    source = (ids, tokens)
+    if before is not None and before.source is not None:
+        old_ids, old_tokens = before.source
+        if ids is old_ids and tokens is old_tokens:
+            return before.chain, source
+        n = len(old_ids)
+        if len(ids) >= n and ids[:n] == old_ids and tokens[:n] == old_tokens:
+            return before.chain + _segments(ids, tokens, n, old_tokens[-1] if n else 0), source
+    return _segments(ids, tokens, 0, 0), source
+
+
+def _segments(ids: tuple[str, ...], tokens: tuple[int, ...] | list[int], start: int,
+              previous: int) -> _Nodes:
     segments = []
-    previous = 0
-    for cid, cumulative in zip(program.chain.ids, program.chain_tokens):
+    for cid, cumulative in zip(ids[start:], tokens[start:]):
         segments.append((cid, max(0, cumulative - previous)))
         previous = cumulative
     return tuple(segments)

@@ -52,6 +52,7 @@ BOUNDS: dict[str, str] = {
     "ledger._workers.values.ancestry_tokens": LIVE,
     "ledger._counted": LIVE,
     "ledger._dormant": LIVE,
+    "ledger._gpu": WORKER,  # the index's ``_workers``, a view the ledger reads U through
     "index._workers": WORKER,
     # the KV mirror is bounded by the engines' blocks; this driver sends no KV events, so
     # what it holds is the sessions counted in it

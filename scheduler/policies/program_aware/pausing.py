@@ -41,15 +41,14 @@ class Pausing:
         pauses before it asks for the next (the projection reads the ledger afresh), or a
         :class:`Mark` already made."""
         ledger, target = self._ledger, self.config.pause_target
-        for load in ledger.workers():
-            threshold = self.capacity.threshold(load.name)
-            if not load.capacity_tokens or ledger.utilization(load.name) < threshold:
+        for load, utilization in ledger.utilizations():  # each read as its turn comes
+            if not load.capacity_tokens or utilization < self.capacity.threshold(load.name):
                 continue
             capacity = load.capacity_tokens
             on_worker = [self._programs[s] for s in load.programs]
             # Pausing ACTING programs marks none, so the marked share stays what it is here.
             marked = self._marked_tokens(load.name) / capacity
-            projected = ledger.utilization(load.name) - marked
+            projected = utilization - marked
             if projected <= target:
                 continue
             acting = sorted(
@@ -93,7 +92,7 @@ class Pausing:
         low, high = self.config.pause_target, self.config.pause_threshold
         self.soft_band = frozenset(
             load.name
-            for load in self._ledger.workers()
-            if load.capacity_tokens and low <= self._ledger.utilization(load.name) < high
+            for load, utilization in self._ledger.utilizations()
+            if load.capacity_tokens and low <= utilization < high
             and not self.capacity.runs_all(load.name)
         )

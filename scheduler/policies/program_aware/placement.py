@@ -103,7 +103,18 @@ class Placement:
                     in_flight = calls_per_worker(self._calls.values())
                 score = (1, -in_flight.get(load.name, 0), -self._ledger.utilization(load.name))
             else:
-                credit = self.prefix_credit(load.name, call) - self._ledger.utilization(load.name)
+                u = self._ledger.utilization(load.name)
+                if best_score is not None and load.capacity_tokens:
+                    # The credit is at most the whole prompt: a worker that could not beat
+                    # the best even so is not asked for its prefix (the dearest read here,
+                    # one per worker). Exact: the bound is computed as the score is, and
+                    # each float step keeps the order of its inputs.
+                    bound = request.prompt_tokens / load.capacity_tokens - u
+                    if load.name in soft_band:
+                        bound -= self.config.soft_band_delay_s
+                    if not (0, bound) > best_score:
+                        continue
+                credit = self.prefix_credit(load.name, call) - u
                 if load.name in soft_band:
                     credit -= self.config.soft_band_delay_s
                 score = (0, credit)
