@@ -48,6 +48,7 @@ from controller.errors import (
 )
 from controller.identity import (
     CONTENT_SOURCE,
+    asgi_headers,
     Identity,
     IdentityError,
     resolve_identity,
@@ -123,7 +124,7 @@ class Endpoints:
         assigned: Identity | None = None  # a call without identity, counted in conversations
         client: ClientKey | None = None
         try:
-            headers = _header_map(scope["headers"])
+            headers = asgi_headers(scope["headers"])
             try:
                 client = self._authenticate(headers, route)
                 body_bytes = await read_asgi_body(receive, headers, self.config.max_body_bytes)
@@ -388,18 +389,3 @@ class Endpoints:
 def _tenant(client: ClientKey | None) -> str | None:
     """What names a client's content sessions apart from other keys' (its key's name)."""
     return client.name if client is not None else None
-
-
-class _HeaderMap(dict):
-    """A request's headers, lower-case ``str`` names (as ASGI gives them) to ``str`` values,
-    the first of a repeated name kept (as Starlette's ``Headers.get`` does). Not a plain
-    ``dict``, so :func:`resolve_identity` takes its names as lower-cased already."""
-
-
-def _header_map(raw: list[tuple[bytes, bytes]]) -> _HeaderMap:
-    headers = _HeaderMap()
-    for name, value in raw:
-        key = name.decode("latin-1")
-        if key not in headers:
-            headers[key] = value.decode("latin-1")
-    return headers

@@ -28,7 +28,7 @@ import json
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -415,6 +415,22 @@ def _parent(headers: Mapping[str, str]) -> SessionId | None:
         if value is not None:
             return _validated(value, name)
     return None
+
+
+class AsgiHeaders(dict):
+    """A request's headers, lower-case ``str`` names (as ASGI gives them) to ``str`` values,
+    the first of a repeated name kept (as Starlette's ``Headers.get`` does). Not a plain
+    ``dict``, so :func:`resolve_identity` takes its names as lower-cased already."""
+
+
+def asgi_headers(raw: Iterable[tuple[bytes, bytes]]) -> AsgiHeaders:
+    """The headers of an ASGI scope (``scope["headers"]``) as :class:`AsgiHeaders`."""
+    headers = AsgiHeaders()
+    for name, value in raw:
+        key = name.decode("latin-1")
+        if key not in headers:
+            headers[key] = value.decode("latin-1")
+    return headers
 
 
 # The headers an ingress hashes to find a call's shard, first present wins: Claude Code's run

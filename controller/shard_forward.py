@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.types import Receive, Scope, Send
 
 from controller.errors import UPSTREAM, GatewayError
-from controller.identity import shard_key
+from controller.identity import asgi_headers, shard_key
 from controller.relay_client import (
     ConnectError,
     ConnectTimeout,
@@ -47,7 +47,8 @@ from controller.shards_config import ShardsConfig
 from controller.upstream import HOP_BY_HOP, response_headers
 from scheduler.rendezvous import rendezvous_shard
 
-FORWARDED_HEADER = b"x-sluice-forwarded"
+FORWARDED_HEADER_NAME = "x-sluice-forwarded"
+FORWARDED_HEADER = FORWARDED_HEADER_NAME.encode()
 SHARD_UNREACHABLE = "shard_unreachable"
 UNREACHABLE_RETRY_AFTER_S = 5
 _NOT_FORWARDED = frozenset(name.encode() for name in HOP_BY_HOP) | {FORWARDED_HEADER}
@@ -87,14 +88,9 @@ class ShardForwarder:
     def owner(self, raw_headers: Iterable[tuple[bytes, bytes]]) -> int | None:
         """The shard to forward the call to; None when this gateway serves it (it owns the
         program, or the call was forwarded to it already)."""
-        headers: dict[str, str] = {}
-        for name, value in raw_headers:
-            lower = name.lower()
-            if lower == FORWARDED_HEADER:
-                return None
-            key = lower.decode("latin-1")
-            if key not in headers:
-                headers[key] = value.decode("latin-1")
+        headers = asgi_headers(raw_headers)
+        if FORWARDED_HEADER_NAME in headers:
+            return None
         shard = rendezvous_shard(shard_key(headers), len(self.gateways))
         return None if shard == self.index else shard
 

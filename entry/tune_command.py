@@ -337,8 +337,8 @@ class RayTasks:
                 ray.init(address=os.environ["RAY_ADDRESS"])
             else:
                 # a local cluster on this machine: its node binds and advertises loopback only
-                ray.init(num_cpus=self._jobs, include_dashboard=False, log_to_driver=False,
-                         _node_ip_address="127.0.0.1")
+                ray.init(_node_ip_address="127.0.0.1", num_cpus=self._jobs, include_dashboard=False,
+                         log_to_driver=False)
             self._started_ray = True
         return self
 

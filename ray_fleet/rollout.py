@@ -492,9 +492,8 @@ def run_rollout(setup: RolloutSetup, *, address: str | None, engines: list[dict[
     if address is None:
         cpus = local_cpus(setup)
         # a local cluster: its node, and the actors that bind its address, stay on loopback
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=actor_logs,
-                 _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {NODE_ADDRESS_ENV: "127.0.0.1"}})
+        ray.init(_node_ip_address="127.0.0.1", num_cpus=cpus, include_dashboard=False,
+                 log_to_driver=actor_logs, runtime_env={"env_vars": {NODE_ADDRESS_ENV: "127.0.0.1"}})
         emit(f"local Ray: {cpus} logical CPUs (programs wait on the network and their tools)")
     else:
         ray.init(address=address, log_to_driver=actor_logs)

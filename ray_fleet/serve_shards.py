@@ -43,7 +43,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from controller.gateway import create_app as create_gateway_app
-from controller.identity import shard_key
+from controller.identity import asgi_headers, shard_key
 from controller.serve_config import parse_serve_config
 from scheduler.rendezvous import rendezvous_shard
 
@@ -67,17 +67,6 @@ def shard_workers(endpoints: Sequence[Mapping[str, Any]], shard: int, shards: in
     return mine
 
 
-def _headers(scope: Mapping[str, Any]) -> dict[str, str]:
-    """An ASGI scope's headers by lower-case name, the first of a repeated one (as the
-    gateway's own reading of them, Starlette's ``Headers.get``)."""
-    found: dict[str, str] = {}
-    for raw_name, raw_value in scope.get("headers", ()):
-        name = raw_name.decode("latin-1").lower()
-        if name not in found:
-            found[name] = raw_value.decode("latin-1")
-    return found
-
-
 def call_headers(pending_request: PendingRequest) -> dict[str, str]:
     """The HTTP headers of the call being routed; {} for a call made through a handle."""
     args = pending_request.args
@@ -89,7 +78,7 @@ def call_headers(pending_request: PendingRequest) -> dict[str, str]:
         # (ray/serve/_private/proxy_request_response.py, serialized_replica_arg).
         first = pickle.loads(first)
     if isinstance(first, StreamingHTTPRequest):
-        return _headers(first.asgi_scope)
+        return asgi_headers(first.asgi_scope.get("headers", ()))
     return {}
 
 
