@@ -30,7 +30,8 @@ index under the worker's name; a batch of rank ``r > 0`` goes to the worker
 ``f"{worker}#dp{r}"`` when the fleet has one (the ledger knows workers by name only, so a
 rank can be scheduled on separately only if it is a worker of the fleet), and otherwise to
 the worker itself: the ranks' blocks then share one index, and a reset caused by one rank
-clears them all (the others catch up from their replay buffers). Replay of a rank: in the
+clears them all (the others catch up from their replay buffers at once, before the
+applier takes its next batch). Replay of a rank: in the
 per-worker layout, the worker's ``replay`` (the endpoints name one publisher); in the llm-d
 layout, the ``f"{worker}#dp{r}"`` worker's ``replay`` when set, else the worker's ``replay``
 offset as vLLM offsets it for rank ``r`` (tcp port + r).
@@ -78,7 +79,8 @@ One applier task per worker decodes batches with :class:`~scheduler.kv_events.Ev
 
 When a ``f"{worker}#dp{r}"`` worker joins or leaves the fleet, that rank's stream moves to
 its new index key at its next batch and is caught up there from seq 0 by replay; the index
-it fed until then is reset when it stays in the fleet (it holds that rank's blocks).
+it fed until then is reset when it stays in the fleet (it holds that rank's blocks), and the
+other ranks feeding that index are caught up again from their replay right away.
 
 Resets are counted by reason (:data:`RESET_REASONS`). A loop that fails is logged with its
 context and restarted after a backoff; an applier that failed resets the indexes it feeds,
@@ -399,6 +401,7 @@ class KvEventSubscriber:
         if seq > stream.expected:
             await self._repair(stream, seq - 1)
         await self._apply(stream, seq, batch, replayed=False)
+        await self._catch_up_siblings(source)
 
     async def _repair_drops(self, source: KvSource) -> None:
         """The queue has drained, but batches dropped at its end were never followed by one
@@ -409,6 +412,7 @@ class KvEventSubscriber:
             self._take_pending(stream)
             if seq >= stream.expected:
                 await self._repair(stream, seq)
+        await self._catch_up_siblings(source)
 
     @staticmethod
     def _forget_drops(source: KvSource, rank: int, position: int) -> None:
@@ -428,6 +432,18 @@ class KvEventSubscriber:
             await self._repair(stream, None)
             if not stream.fresh:
                 stream.caught_up_to = stream.expected - 1
+
+    async def _catch_up_siblings(self, source: KvSource) -> None:
+        """The streams of this socket whose index another stream reset: caught up from seq 0
+        by replay now, not at their next batch (a rank that publishes nothing for a while
+        would leave its blocks out of the index until then). Streams of other sockets catch
+        up at their next batch: their applier is another task."""
+        for stream in list(source.streams.values()):
+            if stream.pending_reset:
+                self._take_pending(stream)
+                await self._repair(stream, None)
+                if not stream.fresh:
+                    stream.caught_up_to = stream.expected - 1
 
     async def _repair(self, stream: Stream, upto: int | None) -> None:
         """Apply the stream's batches ``[expected, upto]`` (``upto`` None: to the end of the
@@ -504,7 +520,8 @@ class KvEventSubscriber:
     async def _reset(self, stream: Stream, reason: str, **context: Any) -> None:
         """Empty the index of ``stream``'s worker. The stream starts over (fresh, at seq 0;
         the caller moves it on); every other stream feeding that index catches up from its
-        replay at its next batch."""
+        replay: those of the same socket once the applier is done with this batch
+        (:meth:`_catch_up_siblings`), the others at their next batch."""
         key = stream.index_key
         await self._admission.reset_worker_kv(key)
         stats = self.stats.get(key)
