@@ -71,6 +71,12 @@ class BlockStoredRaw(BlockStored, tag="BlockStored"):
 
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
+    def __post_init__(self) -> None:
+        # Run by msgspec as it decodes each store (a ValueError here fails the decode): the
+        # check costs the stores alone, where a pass over a batch's events cost every event.
+        if raw_array_len(self.token_ids) < 0:
+            raise ValueError("token_ids is no array")  # the decoder reports the full schema's
+
 
 AnyKVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
@@ -123,11 +129,8 @@ class EventBatchDecoder:
             try:
                 if self._raw is None:
                     return self._full.decode(payload)
-                batch = self._raw.decode(payload)
-                for event in batch.events:
-                    if event.__class__ is BlockStoredRaw and raw_array_len(event.token_ids) < 0:
-                        return self._full.decode(payload)  # raises what the full schema says
-                return batch
+                # a ``token_ids`` that is no array fails this too (BlockStoredRaw.__post_init__)
+                return self._raw.decode(payload)
             except msgspec.ValidationError as err:
                 if self._raw is not None:  # the full schema's error (it fails where this one did)
                     try:

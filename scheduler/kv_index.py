@@ -47,7 +47,12 @@ the decode): events apply in order; a run of consecutive unattributed GPU remova
 hash per evicted block, is one removal of all its hashes (the same state, without the per-event
 dispatch), and a store's token ids are only counted (a decoded :class:`BlockStoredRaw` leaves
 them unparsed). Blocks are untracked structs; a block's sessions are a tuple its store's blocks
-share until more than :data:`TUPLE_SESSIONS` hold it.
+share until more than :data:`TUPLE_SESSIONS` hold it. The per-block work is plain bytecode, the
+fewest attribute stores (unspecialised on msgspec structs, the dearest step) and dict operations:
+a session's tokens with a count of its empty blocks rather than a dict of its blocks, a new
+block made counting its successor, a removal's run of one store's blocks settled once
+(scheduler/kv_removal.py). Measured, C-level helpers (map, groupby, attrgetter, setattr) cost
+more than the bytecode they replace here, for runs this short.
 
 Media. vLLM publishes its host tier's events (CPU offloading, ``medium="CPU"``) on the same
 stream as the GPU pool's (``"GPU"``, or no medium from engines that predate media). The two are
@@ -98,6 +103,7 @@ from scheduler.kv_events import (
 )
 from scheduler.kv_host import SHED_FRACTION, HostKV, oldest_over_bound
 from scheduler.kv_queries import KVQueries
+from scheduler.kv_removal import KVRemoval
 
 # The bound ("Bound" above) in blocks of this many tokens unless the engine's block size is
 # given: vLLM's default block size, and the smallest its GPU attention backends commonly run.
@@ -119,13 +125,13 @@ TUPLE_SESSIONS = 8
 
 class _Block(msgspec.Struct, gc=False, eq=False):
     """One resident block. A struct for its constructor's speed (one per stored block);
-    untracked by the cycle collector: blocks point only at older blocks (``up``) and at
-    strings, so they form no cycle, and a full index is not walked by every collection."""
+    untracked by the cycle collector: a block points only at strings and tuples or dicts of
+    them, so it is in no cycle, and a full index is not walked by every collection. No block
+    points at another (its parent is found by hash): msgspec structs take no specialised
+    attribute store, so keeping such a link, and clearing it on removal, costs more than the
+    lookup it spares."""
 
     parent: BlockHash | None
-    # the parent's block when it was resident at admission: unlinking through it spares
-    # a lookup in ``blocks`` on every eviction
-    up: _Block | None
     tokens: int
     prefix_tokens: int
     admitter: str | None
@@ -138,19 +144,21 @@ class _Block(msgspec.Struct, gc=False, eq=False):
     # counting it or not changes no total: pausing a program then costs its shared
     # blocks, not all of them)
     counted: int = 0
-    # resident blocks whose parent is this hash; -1 once removed
-    children: int = 0
+    # resident blocks whose parent is this hash; a block is made counting one in advance
+    # (``WorkerKV._store``: the next block of its store, as a rule)
+    children: int = 1
     # ``rooted`` (no hole above this block) is valid while ``checked`` is the worker's epoch
     checked: int = -1
     rooted: bool = True
 
 
-class WorkerKV(KVQueries):
+class WorkerKV(KVQueries, KVRemoval):
     """One worker's resident blocks and the per-session views derived from them.
 
     **Invariants** (cited where kept):
 
-    1. ``session_tokens[s] == sum(b.tokens for b in blocks if s in b.sessions)``.
+    1. ``session_tokens[s] == sum(b.tokens for b in blocks if s in b.sessions)``, an entry for
+       exactly the sessions that hold a block; ``_zero_blocks[s]`` counts those of no tokens.
     2. ``shared_tokens == sum(b.tokens * max(0, b.counted - 1) for b in blocks if len(b.sessions) > 1)``,
        where ``b.counted`` is the number of counted sessions of ``b`` (kept for those blocks only).
     3. ``shared_blocks[s]`` holds exactly the blocks of ``s`` that another session holds too.
@@ -161,7 +169,10 @@ class WorkerKV(KVQueries):
     def __init__(self) -> None:
         self.blocks: dict[BlockHash, _Block] = {}
         self.session_tokens: dict[str, int] = {}
-        self.session_blocks: dict[str, dict[BlockHash, None]] = {}
+        # session -> how many of its blocks cover no tokens (absent when none): with
+        # ``session_tokens`` this tells when a session's last block goes, without a dict of
+        # its blocks to keep on every store and removal (invariant 1)
+        self._zero_blocks: dict[str, int] = {}
         self.shared_blocks: dict[str, dict[BlockHash, None]] = {}
         self.continuation_blocks: dict[str, dict[BlockHash, None]] = {}
         self.counted: dict[str, None] = {}
@@ -215,50 +226,69 @@ class WorkerKV(KVQueries):
                 parent = chunk[-1]
             return
         blocks = self.blocks
-        find = blocks.get
-        parent_block = find(parent) if parent is not None else None
-        prefix = parent_block.prefix_tokens if parent_block is not None else 0
+        add = blocks.setdefault
+        above = blocks.get(parent) if parent is not None else None
+        prefix = above.prefix_tokens if above is not None else 0
         holes, orphans = self.holes, self._orphans
-        above = parent_block
-        labelled = owned = None  # the continuation's and the session's blocks, once needed
-        gained = 0  # tokens of new blocks, all the session's (invariant 1, added at the end)
+        # the continuation's new blocks (entered at the end: none, no entry)
+        labelled: dict[BlockHash, None] = {}
+        start, kept, zeros = prefix, 0, 0  # tokens before, in resident blocks; empty blocks
         solo = () if session is None else (session,)
+        # A new block is made counting one child (invariant 4): the next block, new too as a
+        # rule; ``ahead`` says the last block was so made, and is set right when the rule
+        # fails. (Attribute stores are the slow ones on these structs.)
+        ahead = False
         for block_hash, tokens in zip(hashes, counts):
             prefix += tokens
-            block = find(block_hash)
-            if block is None:
-                block = _Block(parent, above, tokens, prefix, session, continuation, solo)
-                if session is not None:
-                    if owned is None:
-                        owned = self.session_blocks.setdefault(session, {})
-                    owned[block_hash] = None
-                    gained += tokens
-                blocks[block_hash] = block
-                if above is not None:
-                    above.children += 1  # keeps invariant 4
-                elif parent is not None:
-                    if parent in holes:
-                        holes[parent] += 1
-                    else:
-                        orphans[parent] = orphans.get(parent, 0) + 1
+            made = _Block(parent, tokens, prefix, session, continuation, solo)
+            block = add(block_hash, made)
+            if block is made:
+                if not tokens:
+                    zeros += 1
+                    if session is not None:
+                        # its own tuple: :meth:`_remove` sums a tuple's blocks' tokens by run,
+                        # and an empty block is counted apart (``_zero_blocks``)
+                        block.sessions = (session,)
+                if not ahead:  # the first new block, or the first after a resident one
+                    if above is not None:
+                        above.children += 1
+                    elif parent is not None:
+                        if parent in holes:
+                            holes[parent] += 1
+                        else:
+                            orphans[parent] = orphans.get(parent, 0) + 1
+                    ahead = True
                 # filling a hole, or linking chains that started at this hash, may change
                 # which blocks are rooted
                 if holes and block_hash in holes:
-                    block.children = holes.pop(block_hash)
+                    block.children = holes.pop(block_hash) + 1
                     self._epoch += 1
                 elif orphans and block_hash in orphans:
-                    block.children = orphans.pop(block_hash)
+                    block.children = orphans.pop(block_hash) + 1
                     self._epoch += 1
-                if continuation is not None:
-                    if labelled is None:
-                        labelled = self.continuation_blocks.setdefault(continuation, {})
-                    labelled[block_hash] = None
-            elif session is not None and session not in block.sessions:
-                self._touch(block_hash, block, session)
+                labelled[block_hash] = None
+            else:
+                kept += tokens
+                if ahead:
+                    blocks[parent].children -= 1  # type: ignore[index]
+                    ahead = False
+                above = block
+                if session is not None and session not in block.sessions:
+                    self._touch(block_hash, block, session)
             parent = block_hash
-            above = block
-        if gained:
+        if ahead:
+            blocks[parent].children -= 1  # type: ignore[index]
+        if continuation is not None and labelled:
+            known = self.continuation_blocks.get(continuation)
+            if known is None:
+                self.continuation_blocks[continuation] = labelled
+            else:
+                known.update(labelled)
+        gained = prefix - start - kept  # the new blocks' tokens
+        if session is not None and (gained or zeros):
             self.session_tokens[session] = self.session_tokens.get(session, 0) + gained
+            if zeros:
+                self._zero_blocks[session] = self._zero_blocks.get(session, 0) + zeros
         if continuation is not None and self.caps and hashes:
             self._lift_caps(continuation, prefix)
         if bound is not None and len(blocks) > bound:
@@ -292,8 +322,10 @@ class WorkerKV(KVQueries):
             sessions = block.sessions = sessions + (session,)
         else:
             sessions = block.sessions = dict.fromkeys(sessions + (session,))
-        self.session_tokens[session] = self.session_tokens.get(session, 0) + block.tokens  # invariant 1
-        self.session_blocks.setdefault(session, {})[block_hash] = None
+        tokens = block.tokens
+        self.session_tokens[session] = self.session_tokens.get(session, 0) + tokens  # invariant 1
+        if not tokens:
+            self._zero_blocks[session] = self._zero_blocks.get(session, 0) + 1
         if len(sessions) == 1:
             return
         counted = self.counted
@@ -311,109 +343,6 @@ class WorkerKV(KVQueries):
 
     def remove(self, event: BlockRemoved) -> None:
         self._remove(event.block_hashes, event.continuation_id, event.num_tokens)
-
-    def _remove(self, hashes: list[BlockHash], attributed: str | None = None,
-                num_tokens: int | None = None) -> None:
-        if attributed is not None:
-            self.attributed_removals += len(hashes)
-        take = self.blocks.pop
-        holes, orphans = self.holes, self._orphans
-        session_tokens, session_blocks = self.session_tokens, self.session_blocks
-        continuation_blocks = self.continuation_blocks
-        epoch = self._epoch  # written back at the end; nothing called below reads it
-        evicted = 0
-        for block_hash in hashes:
-            block = take(block_hash, None)
-            if block is None:
-                self.unknown_removals += 1
-                if orphans and block_hash in orphans:
-                    holes[block_hash] = orphans.pop(block_hash)
-                    epoch += 1
-                if attributed is not None and num_tokens is not None and len(hashes) == 1:
-                    self._cap(attributed, num_tokens)
-                continue
-            tokens = block.tokens
-            evicted += tokens
-            children = block.children
-            block.children = -1
-            up = block.up
-            parent = block.parent
-            cut = False
-            if up is not None:
-                block.up = None
-            if up is not None and up.children > 0:
-                up.children -= 1
-            elif parent is not None:
-                hole = holes.get(parent)
-                if hole is not None:
-                    # inlined: a chain evicted from its head comes here on every removal
-                    cut = True
-                    if hole > 1:
-                        holes[parent] = hole - 1
-                    else:
-                        del holes[parent]  # a hole nobody hangs from is forgotten
-                elif parent == block_hash:
-                    children -= 1  # it counted itself
-                else:
-                    self._unlink(parent)
-            if children:
-                # Its descendants lose their prefix, unless a hole above had cut them off
-                # already (the common case when eviction runs from a chain's head).
-                if not (cut or (block.checked == epoch and not block.rooted)):
-                    epoch += 1
-                holes[block_hash] = children
-            sessions = block.sessions
-            if len(sessions) == 1:
-                session = sessions[0]  # type: ignore[index]  # a tuple: dicts hold more
-                owned = session_blocks[session]  # keeps invariants 1 and 3
-                del owned[block_hash]
-                if owned:
-                    session_tokens[session] -= tokens
-                else:
-                    del session_tokens[session]
-                    del session_blocks[session]
-            elif sessions:
-                self._drop_shared(block_hash, block)
-            continuation = block.continuation
-            if continuation is not None:
-                labelled = continuation_blocks[continuation]
-                del labelled[block_hash]
-                if not labelled:
-                    del continuation_blocks[continuation]
-                    if self.caps:
-                        self.caps.pop(continuation, None)
-        self._epoch = epoch
-        self.evicted_tokens += evicted
-
-    def _drop_shared(self, block_hash: BlockHash, block: _Block) -> None:
-        """The sessions' side of removing a block two or more sessions hold."""
-        if block.counted >= 2:
-            self.shared_tokens -= block.tokens * (block.counted - 1)  # keeps invariant 2
-        for session in block.sessions:
-            shared = self.shared_blocks[session]
-            del shared[block_hash]
-            if not shared:
-                del self.shared_blocks[session]
-            left = self.session_tokens[session] - block.tokens  # keeps invariants 1 and 3
-            owned = self.session_blocks[session]
-            del owned[block_hash]
-            if owned:
-                self.session_tokens[session] = left
-            else:
-                del self.session_tokens[session]
-                del self.session_blocks[session]
-
-    def _unlink(self, parent: BlockHash) -> None:
-        """A child of ``parent`` (not a hole) left; its ``up`` was not ``parent``'s block."""
-        above = self.blocks.get(parent)
-        if above is not None:
-            above.children -= 1
-            return
-        left = self._orphans[parent] - 1
-        if left:
-            self._orphans[parent] = left
-        else:
-            del self._orphans[parent]
 
     def _cap(self, continuation: str, end: int) -> None:
         if continuation not in self.continuation_blocks:
@@ -438,7 +367,7 @@ class WorkerKV(KVQueries):
         """Drop every block; which sessions are counted is the ledger's and survives."""
         self.blocks = {}
         self.session_tokens = {}
-        self.session_blocks = {}
+        self._zero_blocks = {}
         self.shared_blocks = {}
         self.continuation_blocks = {}
         self.shared_tokens = 0
@@ -511,14 +440,15 @@ class KVIndex:
         GPU removals without attribution (vLLM's one-hash ``BlockRemoved`` per evicted block)
         are applied as one removal of all their hashes, which ends in the same state."""
         kv = self._workers.get(worker) or self.worker(worker)
+        if events.__class__ is not list:
+            events = list(events)
         hashes = 0
-        plain = 0  # GPU stores, and removals in ``run``
+        others = 0  # events not counted as plain GPU stores and removals (host, clears, ...)
         run: list[BlockHash] = []
         for event in events:
-            kind = event.__class__
+            kind = type(event)
             if kind is BlockRemoved and event.continuation_id is None and event.medium != MEDIUM_CPU:
                 run += event.block_hashes
-                plain += 1
                 continue
             if run:
                 hashes += len(run)
@@ -526,19 +456,19 @@ class KVIndex:
                 run = []
             if (kind is BlockStoredRaw or kind is BlockStored) and event.medium != MEDIUM_CPU:
                 hashes += len(event.block_hashes)  # type: ignore[attr-defined]
-                plain += 1
                 kv.store(event)  # type: ignore[arg-type]
                 continue
+            others += 1
             if kind is not AllBlocksCleared:
                 hashes += len(event.block_hashes)  # type: ignore[attr-defined]
             if _on_host(event):
                 self._apply_host(worker, kv, event)
             else:
-                kv.apply(event)
+                kv.apply(event)  # counts itself
         if run:
             hashes += len(run)
             kv._remove(run)
-        kv.events_seen += plain
+        kv.events_seen += len(events) - others  # type: ignore[arg-type]
         return hashes
 
     def _apply_host(self, worker: str, kv: WorkerKV, event: KVEvent) -> None:

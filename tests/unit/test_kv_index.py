@@ -126,7 +126,7 @@ def test_removed_drops_the_block_from_every_session_that_touched_it():
     assert kv.session_tokens == {"a": 32, "b": 16}
     kv.apply(removed([1]))
     assert kv.session_tokens == {"a": 16}
-    assert "b" not in kv.session_blocks
+    assert "b" not in kv.shared_blocks
 
 
 def test_removed_of_unknown_hashes_is_counted_not_fatal():

@@ -50,12 +50,17 @@ def state(kv: WorkerKV) -> dict:
 def assert_consistent(kv: WorkerKV) -> None:
     """The index's invariants, recounted from its blocks (WorkerKV's invariants 1-4)."""
     sessions: dict[str, int] = {}
+    zero: dict[str, int] = {}
     for block in kv.blocks.values():
         for session in block.sessions:
             sessions[session] = sessions.get(session, 0) + block.tokens
-    assert kv.session_tokens == sessions
-    for session, owned in kv.session_blocks.items():
-        assert set(owned) == {h for h, b in kv.blocks.items() if session in b.sessions}
+            if not block.tokens:
+                zero[session] = zero.get(session, 0) + 1
+    assert kv.session_tokens == sessions  # a session of zero-token blocks only included
+    assert kv._zero_blocks == zero
+    for session, owned in kv.shared_blocks.items():
+        assert set(owned) == {h for h, b in kv.blocks.items() if session in b.sessions
+                              and len(b.sessions) > 1}
     for cid, labelled in kv.continuation_blocks.items():
         assert set(labelled) == {h for h, b in kv.blocks.items() if b.continuation == cid}
     children: dict = {}

@@ -12,6 +12,7 @@ import random
 import msgspec
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.kv_ingest import build_stream
 from scheduler.kv_events import (
@@ -26,7 +27,7 @@ from scheduler.kv_events import (
     raw_array_len,
 )
 from scheduler.kv_index import TUPLE_SESSIONS, KVIndex
-from tests.unit.test_kv_index import SESSIONS, WORKERS, _replay, _replay_host, ops
+from tests.unit.test_kv_index import CONTINUATIONS, SESSIONS, WORKERS, _replay, _replay_host, ops
 from tests.unit.test_kv_index_bounds import assert_consistent, state
 
 ENCODER = EventBatchEncoder()
@@ -39,12 +40,12 @@ def snapshot(index: KVIndex, worker: str) -> dict:
     return {
         **state(kv),
         "order": list(kv.blocks),
-        "session_blocks": {s: list(owned) for s, owned in kv.session_blocks.items()},
+        "zero_blocks": dict(kv._zero_blocks),
         "shared_blocks": {s: list(owned) for s, owned in kv.shared_blocks.items()},
         "continuation_blocks": {c: list(owned) for c, owned in kv.continuation_blocks.items()},
         "session_order": list(kv.session_tokens),
         "counted": list(kv.counted),
-        "counts": [(h, b.counted, b.up is not None) for h, b in kv.blocks.items()],
+        "counts": [(h, b.counted) for h, b in kv.blocks.items()],
         "orphans": dict(kv._orphans),
         "counters": (kv.events_seen, kv.attributed_removals, kv.overflow_dropped),
         "host": (dict(host.blocks), dict(host.session_tokens),
@@ -115,6 +116,67 @@ def _run(history: list[tuple]) -> tuple[KVIndex, KVIndex]:
 @settings(max_examples=150, deadline=None)
 @given(history=ops)
 def test_batches_decoded_lean_end_where_single_events_and_the_brute_force_end(history):
+    _check(history)
+
+
+@st.composite
+def evictions(draw) -> list[tuple]:
+    """Stores of chains and the evictions the removal path settles by run (one worker): a
+    store's blocks evicted together from the chain's head (the bench's order), from its tail
+    (vLLM frees a request's blocks tail first), or any which way; branches, empty tail blocks,
+    re-stores from block 0, touches by other sessions, unknown hashes, attributed removals."""
+    history: list[tuple] = []
+    chains: dict = {s: [] for s in SESSIONS + [None]}
+    stores: list[list[int]] = []
+    order: list[int] = []  # every hash stored, first store first
+    fresh = iter(range(1000, 10**6))
+    for _ in range(draw(st.integers(4, 24))):
+        kind = draw(st.sampled_from(["store"] * 5 + ["restore", "head", "tail", "any", "count"]))
+        if kind == "store":
+            session = draw(st.sampled_from(SESSIONS + [None]))
+            chain = chains[session]
+            n = draw(st.integers(1, 6))
+            hashes = [next(fresh) for _ in range(n)]
+            pick = draw(st.integers(0, 5))
+            # mostly the chain's tail; a root; a branch off any block stored before
+            parent = (chain[-1] if chain and pick > 1 else
+                      draw(st.sampled_from(order)) if order and pick == 1 else None)
+            n_tokens = draw(st.sampled_from([n * 4, n * 4, 0, n * 4 - 2, max(n * 4 - 7, 1)]))
+            history.append(("store", "w0", hashes, session, parent, 4, n_tokens,
+                            draw(st.sampled_from(CONTINUATIONS + [None]))))
+            chain.extend(hashes)
+            stores.append(hashes)
+            order.extend(hashes)
+        elif kind == "restore" and stores:
+            hashes = draw(st.sampled_from(stores))[: draw(st.integers(1, 6))]
+            history.append(("store", "w0", hashes, draw(st.sampled_from(SESSIONS)), None, 4,
+                            len(hashes) * 4, draw(st.sampled_from(CONTINUATIONS + [None]))))
+        elif kind == "count":
+            history.append(("count", "w0", draw(st.sampled_from(SESSIONS)), draw(st.booleans())))
+        elif order:
+            if kind == "head":
+                gone = order[: draw(st.integers(1, 12))]
+            elif kind == "tail":
+                gone = list(reversed(draw(st.sampled_from(stores))))
+            else:
+                gone = draw(st.lists(st.sampled_from(order + [99]), min_size=1, max_size=12))
+            for h in gone:
+                if draw(st.integers(0, 9)):
+                    history.append(("remove", "w0", [h], None, None))
+                else:  # attributed: applied alone, between runs
+                    history.append(("remove", "w0", [h], draw(st.sampled_from(CONTINUATIONS)),
+                                    draw(st.sampled_from([None, 8, 40]))))
+            order = [h for h in order if h not in gone]
+    return history
+
+
+@settings(max_examples=300, deadline=None)
+@given(history=evictions())
+def test_eviction_runs_end_where_single_events_and_the_brute_force_end(history):
+    _check(history)
+
+
+def _check(history: list[tuple]) -> None:
     batched, single = _run(history)
     for w in WORKERS:
         assert snapshot(batched, w) == snapshot(single, w), (w, history)
@@ -211,3 +273,18 @@ def test_the_ingest_decoder_skips_and_counts_unknown_types_as_the_full_one_does(
     broken = msgspec.msgpack.encode([0.0, [{"type": "NewEngineEvent"}, {**stored, "block_size": "x"}]])
     with pytest.raises(msgspec.DecodeError):
         lean.decode(broken)
+
+
+def test_events_seen_counts_the_gpu_events_of_any_iterable_once():
+    def stored(hashes, medium="GPU"):
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=list(range(16 * len(hashes))),
+                           block_size=16, lora_id=None, medium=medium, lora_name=None, session_id="a")
+
+    events = [stored([1, 2]), BlockRemoved(block_hashes=[1], medium="GPU"), stored([3], "CPU"),
+              BlockRemoved(block_hashes=[2], medium="GPU", continuation_id="c", num_tokens=32),
+              BlockRemoved(block_hashes=[3], medium="CPU"), AllBlocksCleared(), stored([4])]
+    for feed in (list, iter):
+        index = KVIndex()
+        assert index.apply_events("w", feed(events)) == 7
+        assert index.worker("w").events_seen == 5  # the host tier's two are the host's
+        assert index.host("w").events_seen == 2
