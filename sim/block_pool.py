@@ -48,13 +48,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from scheduler.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from sim.pool_bulk import FEW, MEDIUM_GPU, BulkPaths, PoolExhausted
 
 # Free blocks without a hash cost nothing to reuse and always go first (in vLLM they sit at
 # the head of the free queue, ahead of every cached block), whatever the retention classes.
 UNHASHED_CLASS = -1
 NORMAL_CLASS = 50
 LOW_CLASS = 0
-MEDIUM_GPU = "GPU"
 # The retention expiry heap is rebuilt from its live entries once its stale ones exceed them
 # by this many.
 EXPIRY_SLACK = 64
@@ -64,7 +64,7 @@ QUEUE_SLACK = 3
 QUEUE_MIN = 1024
 # Allocations of at most this many blocks take them entry by entry (array operations cost more
 # than they save on a few).
-SMALL = 4
+SMALL = FEW
 
 
 def _ids(block_ids: Iterable[int]) -> np.ndarray:
@@ -97,13 +97,10 @@ class _FreeQueue:
         return parts
 
 
-class PoolExhausted(RuntimeError):
-    """More blocks were asked for than are free."""
-
-
-class BlockPool:
+class BlockPool(BulkPaths):
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 enable_events: bool = True, attribute_removals: bool = False) -> None:
+                 enable_events: bool = True, attribute_removals: bool = False,
+                 coalesce_removals: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be ≥ 2 (block 0 is the null block), got {num_blocks}")
         if block_size <= 0:
@@ -113,11 +110,22 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.attribute_removals = attribute_removals and enable_events
-        # hash -> (continuation id, prefix tokens) of its first caching (attribute_removals)
+        # one BlockRemoved per allocation for its unattributed evictions, not one per hash, and
+        # no num_tokens on removals without a continuation: the same index state
+        # (KVIndex.apply_events joins such runs and reads no num_tokens on them) at a fraction
+        # of the cost; off, the stream is the plugin's, event for event (the simulator opts in)
+        self.coalesce_removals = coalesce_removals
+        # hash -> (continuation id, prefix tokens) of its first caching while cached
+        # (attribute_removals; with coalesce_removals only cachings with a continuation)
         self._admitted: dict[BlockHash, tuple[str | None, int]] = {}
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int64)
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hashed = np.zeros(num_blocks, dtype=bool)  # block_hash[i] is not None
+        # block i is the one a lookup of its hash returns (sim/pool_bulk.py), and the eviction
+        # count when it last lost its hash
+        self._first = np.zeros(num_blocks, dtype=bool)
+        self._evicted_at = np.zeros(num_blocks, dtype=np.int64)
+        self._evictions = 0
         # hash -> block id, or {block id: None} when duplicates exist (first one wins lookups)
         self._cached: dict[BlockHash, int | dict[int, None]] = {}
         self._duplicated = 0  # how many hashes map to more than one block
@@ -136,6 +144,9 @@ class BlockPool:
         # bumped whenever the hash → block map changes, so callers may keep a lookup's
         # result (``longest_hit``) while it holds
         self.version = 0
+        # bumped whenever touch or free_blocks changes reference counts (a hit's free blocks
+        # can change no other way while none of them is evicted)
+        self.refs = 0
         self._events: list[KVEvent] = []
         # retention: session -> (class, expires_at); session -> block ids it last freed
         self._session_class: dict[str, tuple[int, float]] = {}
@@ -242,12 +253,20 @@ class BlockPool:
         self._free_count -= n
         # the same work block by block as one pass each: evictions (and their events) in the
         # order the blocks were taken, then owners and references, which no event depends on
+        taken_ids = np.asarray(taken, dtype=np.intp) if n > SMALL else None
         if self.enable_caching:
-            block_hash = self.block_hash
-            for block_id in taken:
-                if block_hash[block_id] is not None:
-                    self._evict(block_id)
-        if n <= SMALL:
+            if self.coalesce_removals and taken_ids is not None:
+                evicted_ids = taken_ids[self._hashed[taken_ids]]
+                if len(evicted_ids) > 1:
+                    self._evict_coalesced(evicted_ids.tolist(), evicted_ids)
+                elif len(evicted_ids):
+                    self._evict(int(evicted_ids[0]))
+            else:
+                block_hash = self.block_hash
+                for block_id in taken:
+                    if block_hash[block_id] is not None:
+                        self._evict(block_id)
+        if taken_ids is None:
             owner = self._owner
             ref = self.ref_cnt
             for block_id in taken:
@@ -256,30 +275,24 @@ class BlockPool:
                     self._forget_owner(block_id)
                 ref[block_id] = 1
         else:
-            taken_ids = np.asarray(taken, dtype=np.intp)
             stamp[taken_ids] = 0
-            for block_id in taken_ids[self._owner[taken_ids] >= 0].tolist():
-                self._forget_owner(block_id)
+            owner = self._owner
+            owned_ids = taken_ids[owner[taken_ids] >= 0]
+            if len(owned_ids):
+                self._forget_owners(owned_ids, owner[owned_ids])
+                owner[owned_ids] = -1
             self.ref_cnt[taken_ids] = 1
         return taken
 
     def _evict(self, block_id: int) -> None:
         self.version += 1
+        self._evictions += 1
         block_hash = self.block_hash[block_id]
         self.block_hash[block_id] = None
         self._hashed[block_id] = False
-        entry = self._cached.get(block_hash)
-        if isinstance(entry, int):
-            if entry == block_id:
-                del self._cached[block_hash]
-        elif entry is not None:
-            entry.pop(block_id, None)
-            if len(entry) == 1:
-                self._cached[block_hash] = next(iter(entry))
-                self._duplicated -= 1
-            elif not entry:
-                del self._cached[block_hash]
-                self._duplicated -= 1
+        self._first[block_id] = False
+        self._evicted_at[block_id] = self._evictions
+        self._uncache(block_id, block_hash)
         if self.attribute_removals:
             if block_hash in self._cached:  # another block still holds it: keep the entry
                 continuation_id, num_tokens = self._admitted.get(block_hash, (None, None))
@@ -295,6 +308,7 @@ class BlockPool:
         ids = _ids(block_ids)
         if not len(ids):
             return
+        self.refs += 1
         ref = self.ref_cnt
         before = ref[ids]
         was_free = ids[(before == 0) & (ids != 0)]
@@ -312,6 +326,7 @@ class BlockPool:
         ids = _ids(ordered_ids)
         ref = self.ref_cnt
         if len(ids):
+            self.refs += 1
             before = ref[ids]
             np.subtract.at(ref, ids, 1)
             after = ref[ids]
@@ -348,12 +363,17 @@ class BlockPool:
             session_blocks = self._session_blocks
             owned = session_blocks.setdefault(session_id, {})
             changed = hashed[owner[hashed] != index]
-            names = self._session_names
-            for block_id, previous in zip(changed.tolist(), owner[changed].tolist()):
-                if previous >= 0:
-                    del session_blocks[names[previous]][block_id]
-                owned[block_id] = None
-            owner[changed] = index
+            if len(changed):
+                previous = owner[changed]
+                if previous.max() < 0:  # all newly cached (the rule): one C-level update
+                    owned.update(dict.fromkeys(changed.tolist()))
+                else:
+                    names = self._session_names
+                    for block_id, before_id in zip(changed.tolist(), previous.tolist()):
+                        if before_id >= 0:
+                            del session_blocks[names[before_id]][block_id]
+                        owned[block_id] = None
+                owner[changed] = index
             if not owned:
                 del session_blocks[session_id]
         if len(unhashed):
@@ -413,32 +433,41 @@ class BlockPool:
         if not self.enable_caching or num_cached >= num_full:
             return
         self.version += 1
-        new_hashes: list[BlockHash] = []
-        admitted = self._admitted if self.attribute_removals else None
-        block_hashes = self.block_hash
-        hashed_flags = self._hashed
-        cached = self._cached
-        block_size = self.block_size
-        for i in range(num_cached, num_full):
-            block_id = block_ids[i]
-            if block_id == 0:
-                continue
-            block_hash = hashes[i]
-            if block_hashes[block_id] is not None:
-                raise RuntimeError(f"block {block_id} is already cached")
-            block_hashes[block_id] = block_hash
-            hashed_flags[block_id] = True
-            entry = cached.get(block_hash)
-            if entry is None:
-                cached[block_hash] = block_id
-            elif isinstance(entry, int):
-                cached[block_hash] = {entry: None, block_id: None}
-                self._duplicated += 1
-            else:
-                entry[block_id] = None
-            if admitted is not None and block_hash not in admitted:
-                admitted[block_hash] = (continuation_id, (i + 1) * block_size)
-            new_hashes.append(block_hash)
+        # a hash's attribution is its first caching's (no other caching adds an entry); with
+        # coalesced removals one without a continuation has none to give
+        admitted = (self._admitted if self.attribute_removals
+                    and (continuation_id is not None or not self.coalesce_removals) else None)
+        new_hashes = (None if num_full - num_cached <= SMALL else
+                      self._cache_fresh(block_ids, hashes, num_cached, num_full, admitted, continuation_id))
+        if new_hashes is None:  # block by block (a decode step's block, duplicates, the null block)
+            new_hashes = []
+            block_hashes = self.block_hash
+            hashed_flags = self._hashed
+            cached = self._cached
+            block_size = self.block_size
+            for i in range(num_cached, num_full):
+                block_id = block_ids[i]
+                if block_id == 0:
+                    continue
+                block_hash = hashes[i]
+                if block_hashes[block_id] is not None:
+                    raise RuntimeError(f"block {block_id} is already cached")
+                block_hashes[block_id] = block_hash
+                hashed_flags[block_id] = True
+                entry = cached.get(block_hash)
+                if entry is None:
+                    cached[block_hash] = block_id
+                    self._first[block_id] = True
+                    if admitted is not None:
+                        admitted[block_hash] = (continuation_id, (i + 1) * block_size)
+                else:  # a duplicate: lookups keep returning the first
+                    self._first[block_id] = False
+                    if isinstance(entry, int):
+                        cached[block_hash] = {entry: None, block_id: None}
+                        self._duplicated += 1
+                    else:
+                        entry[block_id] = None
+                new_hashes.append(block_hash)
         if self.enable_events:
             parent = hashes[num_cached - 1] if num_cached > 0 else None
             self._events.append(
@@ -472,6 +501,9 @@ class BlockPool:
         self._duplicated = 0
         self.block_hash = [None] * self.num_blocks
         self._hashed[:] = False
+        self._first[:] = False
+        self._evictions += 1
+        self._evicted_at[:] = self._evictions
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -26,7 +26,9 @@ run* whose duration has a closed form; blocks are allocated and cached when the 
 replayed in the order single iterations would take them (no block is freed during it, so
 each request gets the same blocks, the same blocks are evicted in the same order and the
 KV events are the same). An arrival truncates the run at the first iteration boundary
-after it.
+after it. (Runs live in sim/decode_runs.py.) A waiting request's prefix lookup starts from the
+blocks its session's previous call left here, and is kept while none of its blocks is
+evicted (sim/pool_bulk.py): the answer is the full lookup's, for a fraction of the cost.
 
 For the simworker (simworker/engine_driver.py), which runs this model in scaled real time
 behind an HTTP API: ``start`` can cap a decode run (so streamed tokens flow in small chunks), a
@@ -45,24 +47,18 @@ for the host→GPU copy, then runs with those tokens computed. Copies overlap co
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.kv_events import KVEvent
+from scheduler.kv_events import BlockHash, KVEvent
 from sim.block_pool import BlockPool
+from sim.decode_runs import DecodeRun, DecodeRuns
 from sim.engine_request import EngineRequest
 from sim.host_tier import HostTier
 from sim.offloading import OffloadingConnector
 from sim.step_time import StepTimeModel
-
-
-@dataclass(slots=True)
-class _DecodeRun:
-    requests: list[EngineRequest]
-    start: float
-    steps: int
-    context_tokens: int
 
 
 @dataclass(slots=True)
@@ -79,14 +75,31 @@ class EngineStats:
     busy_s: float = 0.0
 
 
+@dataclass(slots=True)
+class _Lookup:
+    """A waiting request's prefix lookup (at most ``limit`` blocks): its hit, current at pool
+    ``version`` and standing while no hit block is evicted after ``mark``; and how many of the
+    hit blocks were free when the pool's reference counts were at ``refs``."""
+
+    request: EngineRequest
+    limit: int
+    version: int
+    hit: list[int]
+    hit_ids: np.ndarray
+    mark: int
+    free_hits: int = 0
+    refs: int = -1
+
+
 # vLLM's --scheduling-policy values (vllm/config/scheduler.py, 0.32).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-class Engine:
+class Engine(DecodeRuns):
     def __init__(self, name: str, model: StepTimeModel, *, num_blocks: int | None = None,
                  block_size: int | None = None, report_reuse: bool = False,
-                 enable_events: bool = True, scheduling_policy: str = "priority") -> None:
+                 enable_events: bool = True, scheduling_policy: str = "priority",
+                 coalesce_removals: bool = False) -> None:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -100,7 +113,7 @@ class Engine:
         if num_blocks is None:
             num_blocks = model.kv_capacity_tokens // self.block_size + 1
         self.pool = BlockPool(num_blocks, self.block_size, enable_events=enable_events,
-                              attribute_removals=True)
+                              attribute_removals=True, coalesce_removals=coalesce_removals)
         self.report_reuse = report_reuse
         self.max_num_seqs = model.max_num_seqs
         self.max_num_batched_tokens = model.max_num_batched_tokens
@@ -110,10 +123,12 @@ class Engine:
         self.busy_until: float | None = None
         self._step: list[tuple[EngineRequest, int]] | None = None
         self._step_start = 0.0
-        self._run: _DecodeRun | None = None
+        self._run: DecodeRun | None = None
         self._order = 0
-        # (request, limit, pool version, hit, hit as an array): _admission_cost's last lookup
-        self._hit_memo: tuple[EngineRequest, int, int, list[int], np.ndarray] | None = None
+        self._hit_memo: _Lookup | None = None  # _admission_cost's last lookup
+        # session -> (hashes, blocks that held them, eviction mark) its last finished call left
+        # here: its next prompt starts with that sequence, so its lookup starts from them
+        self._left: dict[str, tuple[Sequence[BlockHash], np.ndarray, int]] = {}
         self.finished: list[EngineRequest] = []
         # the host KV tier's connector, when the model has one
         self.offloading = (OffloadingConnector(self.pool, model, enable_events=enable_events)
@@ -170,15 +185,6 @@ class Engine:
         if self._run is not None:
             self._truncate_run(now)
 
-    def _truncate_run(self, now: float) -> None:
-        run = self._run
-        assert run is not None
-        seqs = len(run.requests)
-        steps = self.model.decode_steps_within(seqs, run.context_tokens, now - run.start)
-        if steps < run.steps:
-            run.steps = steps
-            self.busy_until = run.start + self.model.decode_run_s(seqs, run.context_tokens, steps)
-
     # -- stepping ---------------------------------------------------------------------
 
     def start(self, now: float, *, max_run_steps: int | None = None,
@@ -206,7 +212,7 @@ class Engine:
                 run_steps = min(run_steps, self.model.decode_steps_within(len(self.running), context,
                                                                           max_run_s))
         if run_steps >= 2:
-            self._run = _DecodeRun(list(self.running), now, run_steps, context)
+            self._run = DecodeRun(list(self.running), now, run_steps, context)
             self.busy_until = now + self.model.decode_run_s(len(self.running), context, run_steps)
             self.stats.decode_runs += 1
             return self.busy_until
@@ -224,10 +230,11 @@ class Engine:
         context = 0
         pairs = 0.0  # prefill attention: each new token over the context before it
         for request, n in scheduled:
-            context += request.num_computed + n
-            if n > 1 or request.num_computed + n < request.seq_len:
+            computed = request.num_computed
+            context += computed + n
+            if n > 1 or computed + n < request.prompt_tokens + request.num_output:  # seq_len
                 prefill += n
-                pairs += n * (request.num_computed + n / 2)
+                pairs += n * (computed + n / 2)
         self._step = scheduled
         self._step_start = now
         self.busy_until = now + self.model.step_s(prefill, len(scheduled), context, prefill_pairs=pairs)
@@ -247,11 +254,19 @@ class Engine:
         elif self._step:
             self.stats.steps += 1
             self.stats.busy_s += end - self._step_start
+            sampled = 0
             for request, n in self._step:
                 computed = request.num_computed + n
                 request.num_computed = computed
                 if computed >= request.prompt_tokens + request.num_output:
-                    self._sample(request, end, 1, done)
+                    # _sample of one token, inlined (every request of every step comes here)
+                    if request.first_token_at is None:
+                        request.first_token_at = end
+                    request.num_output += 1
+                    sampled += 1
+                    if request.num_output >= request.output_tokens:
+                        done.append(request)
+            self.stats.output_tokens += sampled
             self._step = None
         else:
             assert self._step is not None  # the empty step of a wait for a load
@@ -263,126 +278,31 @@ class Engine:
             self.offloading.progress(end)
         return done
 
-    def _complete_run(self, run: _DecodeRun, end: float) -> list[EngineRequest]:
-        steps = run.steps
-        self.stats.steps += steps
-        self.stats.busy_s += end - run.start
-        bs = self.block_size
-        pool = self.pool
-        requests = run.requests
-        # Replay the run's block allocations and cachings in the order single iterations
-        # make them (step by step, running order within a step), so each request gets the
-        # same block ids and the KV events come out the same as without the run. Only the
-        # steps where a request crosses a block boundary are visited (no per-token work).
-        starts = [r.num_computed for r in requests]
-        points: list[tuple[int, int]] = []
-        for i, c0 in enumerate(starts):
-            # the steps whose token starts a new block, and those whose token fills one
-            first = (1 - c0) % bs or bs
-            points += [(s, i) for s in range(first, steps + 1, bs)]
-            if bs > 1:
-                first = (-c0) % bs or bs
-                points += [(s, i) for s in range(first, steps + 1, bs)]
-        points.sort()
-        # decode_run_s(seqs, run.context_tokens, s) term by term, for the allocations' times
-        model = self.model
-        seqs = len(requests)
-        per_step = model.base_s + model.seq_s * seqs + model.context_token_s * run.context_tokens
-        growth = model.context_token_s * seqs
-        start = run.start
-        for s, i in points:
-            request = requests[i]
-            computed = starts[i] + s
-            block_ids = request.block_ids
-            need = -(-computed // bs) - len(block_ids)
-            if need > 0:
-                k = s - 1  # the steps before this one
-                at = start + (k * per_step + growth * k * (k - 1) / 2.0)
-                block_ids += pool.get_new_blocks(need, at)
-            hashes = request.hashes
-            num_full = min(computed // bs, len(hashes))
-            if num_full > request.num_cached_blocks:
-                tokens = request.token_ids
-                pool.cache_full_blocks(block_ids, hashes, request.num_cached_blocks,
-                                       num_full, session_id=request.session_id,
-                                       continuation_id=request.continuation_id,
-                                       token_ids=None if tokens is None
-                                       else tokens[request.num_cached_blocks * bs:num_full * bs])
-                request.num_cached_blocks = num_full
-        done: list[EngineRequest] = []
-        for request, c0 in zip(requests, starts):
-            request.num_computed = c0 + steps
-            if request.num_output == 0:
-                # a prefill chunk ended one token short: the run's first step samples the
-                # first token
-                request.first_token_at = run.start + self.model.decode_run_s(seqs, run.context_tokens, 1)
-            elif request.first_token_at is None:
-                request.first_token_at = end
-            request.num_output += steps
-            if request.num_output >= request.output_tokens:
-                done.append(request)
-        self.stats.output_tokens += steps * seqs
-        return done
-
-    def _sample(self, request: EngineRequest, now: float, tokens: int, done: list[EngineRequest]) -> None:
-        if request.first_token_at is None:
-            request.first_token_at = now
-        request.num_output += tokens
-        self.stats.output_tokens += tokens
-        if request.num_output >= request.output_tokens:
-            done.append(request)
-
     def _finish(self, request: EngineRequest, now: float) -> None:
         request.finished_at = now
         self.running.remove(request)
-        self.pool.free_blocks(request.block_ids[::-1], request.session_id)
+        # its blocks as an array for the pool: those it was admitted with are one already
+        blocks = request.block_ids
+        head = request.block_head
+        request.block_head = None
+        if head is not None and head[0] is blocks:
+            ids = head[1] if len(head[1]) == len(blocks) else np.concatenate(
+                [head[1], np.asarray(blocks[len(head[1]):], dtype=np.intp)])
+        else:
+            ids = np.asarray(blocks, dtype=np.intp)
+        self.pool.free_blocks(ids[::-1], request.session_id)
+        session = request.session_id
+        if session is not None and request.num_cached_blocks:
+            left = self._left
+            left.pop(session, None)
+            left[session] = (request.hashes, ids[:request.num_cached_blocks], self.pool.eviction_mark())
+            if len(left) > self.max_num_seqs:  # sessions whose next call went elsewhere, oldest first
+                del left[next(iter(left))]
         request.block_ids = []
         if self.offloading is not None:
             self.offloading.request_finished(request.request_id)
         self.stats.finished += 1
         self.finished.append(request)
-
-    def _decode_run_length(self) -> tuple[int, int]:
-        """How many identical pure-decode iterations can run from here (0 if not a run), and
-        the batch's context tokens in the first of them."""
-        running = self.running
-        if not running or (self.offloading is not None and self.offloading.loaded):
-            return 0, 0
-        steps = running[0].output_tokens - running[0].num_output
-        context = 0
-        for request in running:
-            computed = request.num_computed
-            if request.prompt_tokens + request.num_output - computed != 1:
-                return 0, 0
-            context += computed + 1
-            left = request.output_tokens - request.num_output
-            if left < steps:
-                steps = left
-        if len(running) > self.max_num_batched_tokens or steps < 2:
-            return 0, 0
-        if self.waiting and self._could_admit_head():
-            return 0, 0
-        free = self.pool.num_free
-        bs = self.block_size
-        if len(running) * -(-steps // bs) <= free:
-            return steps, context  # room for a whole block more per request and step run
-        # a request needs a block at each step that takes it past the blocks it holds
-        slack = [len(r.block_ids) * bs - r.num_computed for r in running]
-        if self._blocks_for(slack, steps) <= free:
-            return steps, context
-        lo, hi = 0, steps
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._blocks_for(slack, mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, context
-
-    def _blocks_for(self, slack: list[int], steps: int) -> int:
-        """Blocks the running requests need for ``steps`` more tokens each (``slack``: room left)."""
-        bs = self.block_size
-        return sum(-(-(steps - room) // bs) for room in slack if room < steps)
 
     def _could_admit_head(self) -> bool:
         if len(self.running) >= self.max_num_seqs:
@@ -397,20 +317,39 @@ class Engine:
         bs = self.block_size
         seq_len = request.seq_len
         limit = (seq_len - 1) // bs
-        # the waiting head is looked up at every step: keep its hit while the hash map stands
+        # the waiting head is looked up at every step: keep its hit while its blocks stand
+        pool = self.pool
         memo = self._hit_memo
-        version = self.pool.version
-        if memo is not None and memo[0] is request and memo[1] == limit and memo[2] == version:
-            hit, hit_ids = memo[3], memo[4]
+        version = pool.version
+        if memo is not None and memo.request is request and memo.limit == limit and (
+                memo.version == version or pool.hit_holds(memo.hit_ids, memo.mark)):
+            if memo.version != version:
+                hit = memo.hit
+                if len(hit) < limit and pool.is_cached(request.hashes[len(hit)]):
+                    # cached further since: the hit runs on past its old end
+                    more = pool.longest_hit(request.hashes[len(hit):limit])
+                    memo.hit = hit + more
+                    memo.hit_ids = np.concatenate([memo.hit_ids, np.asarray(more, dtype=np.intp)])
+                    memo.refs = -1
+                memo.version = version
         else:
-            hit = self.pool.longest_hit(request.hashes, limit)
-            hit_ids = np.asarray(hit, dtype=np.intp)
-            self._hit_memo = (request, limit, version, hit, hit_ids)
+            mark = pool.eviction_mark()
+            left = self._left.get(request.session_id) if request.session_id is not None else None
+            if left is not None:
+                hit, hit_ids = pool.longest_hit_from(request.hashes, limit, *left)
+            else:
+                hit = pool.longest_hit(request.hashes, limit)
+                hit_ids = np.asarray(hit, dtype=np.intp)
+            memo = self._hit_memo = _Lookup(request, limit, version, hit, hit_ids, mark)
+        hit, hit_ids = memo.hit, memo.hit_ids
         hit_tokens = len(hit) * bs
         n = min(seq_len - hit_tokens, budget)
         new_blocks = -(-(hit_tokens + n) // bs) - len(hit)
         # hit blocks nobody references sit in the free queue: taking them costs free blocks
-        free_hits = self.pool.count_free(hit_ids)
+        if memo.refs != pool.refs:
+            memo.free_hits = pool.count_free(hit_ids)
+            memo.refs = pool.refs
+        free_hits = memo.free_hits
         return new_blocks, free_hits, hit, hit_ids
 
     def _schedule(self, now: float) -> list[tuple[EngineRequest, int]]:
@@ -424,25 +363,28 @@ class Engine:
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed
-            n = min(request.prompt_tokens + request.num_output - computed, budget)
+            n = request.prompt_tokens + request.num_output - computed
+            if n > budget:
+                n = budget
             need = -(-(computed + n) // bs) - len(request.block_ids)
-            while need > pool.num_free:
-                victim = self._victim()
-                victim_index = self.running.index(victim)
-                for k, (done, tokens) in enumerate(scheduled):
-                    if done is victim:
-                        del scheduled[k]
-                        budget += tokens
-                        break
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-                if victim_index < index:
-                    index -= 1
-            if preempted and request not in self.running:
-                break  # the request itself was preempted: nothing more runs this step
             if need > 0:
+                if need > pool.num_free:
+                    while need > pool.num_free:
+                        victim = self._victim()
+                        victim_index = self.running.index(victim)
+                        for k, (done, tokens) in enumerate(scheduled):
+                            if done is victim:
+                                del scheduled[k]
+                                budget += tokens
+                                break
+                        self._preempt(victim)
+                        preempted = True
+                        if victim is request:
+                            break
+                        if victim_index < index:
+                            index -= 1
+                    if request not in self.running:
+                        break  # the request itself was preempted: nothing more runs this step
                 request.block_ids += pool.get_new_blocks(need, now)
             if (computed + n) // bs > request.num_cached_blocks:  # else _cache has nothing to do
                 self._cache(request, computed + n)
@@ -462,6 +404,8 @@ class Engine:
             if new_blocks + free_hits > pool.num_free:
                 break
             heapq.heappop(self.waiting)
+            if request.session_id is not None:
+                self._left.pop(request.session_id, None)  # its blocks are this request's now
             hit_tokens = len(hit) * bs
             pool.touch(hit_ids)
             if (self.report_reuse or request.report_reuse) and hit:
@@ -470,6 +414,7 @@ class Engine:
                                               continuation_id=request.continuation_id,
                                               token_ids=None if tokens is None else tokens[:hit_tokens])
             request.block_ids = hit + pool.get_new_blocks(new_blocks, now)
+            request.block_head = (request.block_ids, hit_ids)
             request.num_cached_blocks = len(hit)
             request.num_computed = hit_tokens
             n = min(request.seq_len - hit_tokens, budget)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler.kv_events import BlockHash
 
@@ -30,6 +31,9 @@ class EngineRequest:
     num_computed: int = 0
     num_output: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # (block_ids as admitted, its first blocks as an array) while ``block_ids`` is that list
+    # (it only grows): the engine converts only the rest when it frees them
+    block_head: tuple[list[int], Any] | None = None
     num_cached_blocks: int = 0
     cached_tokens: int = -1
     reprefill_tokens: int = 0

@@ -186,7 +186,8 @@ class Simulation:
         self.duration_s = duration_s
         self.engines = [
             Engine(f"w{i}", model, num_blocks=num_blocks, block_size=block_size,
-                   report_reuse=report_reuse, scheduling_policy=scheduling_policy)
+                   report_reuse=report_reuse, scheduling_policy=scheduling_policy,
+                   coalesce_removals=True)  # the policy's index alone reads the events
             for i in range(workers)
         ]
         self._by_name = {engine.name: engine for engine in self.engines}
