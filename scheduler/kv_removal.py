@@ -44,7 +44,6 @@ class KVRemoval:
         take = self.blocks.pop
         holes = self.holes
         continuation_blocks, caps = self.continuation_blocks, self.caps
-        session_tokens = self.session_tokens
         epoch = self._epoch  # written back at the end; nothing called below reads it
         evicted = 0
         # Written once per run of blocks that share them (a store's blocks come out together):
@@ -128,14 +127,9 @@ class KVRemoval:
                             caps.pop(label, None)
                         label = None
                 continue
-            if owners is not None:  # WorkerKV's first rule (inlined: once per store's run)
+            if owners is not None:  # WorkerKV's first rule, once per store's run
                 evicted += lost
-                owner = owners[0]
-                left = session_tokens[owner] - lost
-                if left:
-                    session_tokens[owner] = left
-                else:
-                    self._drop_tokens(owner, lost)
+                self._drop_tokens(owners[0], lost)
             tokens = block.tokens
             if len(sessions) == 1 and tokens:
                 owners, lost = sessions, tokens
@@ -157,12 +151,7 @@ class KVRemoval:
                     label = None
         if owners is not None:
             evicted += lost
-            owner = owners[0]
-            left = session_tokens[owner] - lost
-            if left:
-                session_tokens[owner] = left
-            else:
-                self._drop_tokens(owner, lost)
+            self._drop_tokens(owners[0], lost)
         if gone is not none_gone:
             holes[gone] = gone_children
         self._epoch = epoch

@@ -344,7 +344,10 @@ def _publish(*publishers: tuple[FramePublisher, Workload], batches: int = 5) -> 
             pub.publish(work.batch())
 
 
-def test_a_ranks_own_worker_takes_its_blocks_when_it_joins_and_gives_them_back_when_it_leaves():
+@contextmanager
+def two_ranks_on_one_socket() -> Iterator[tuple[FramePublisher, FramePublisher, Gateway,
+                                                 SluiceAdmin]]:
+    """Ranks 0 and 1 of worker w1 publishing to the gateway's bound socket (llm-d's layout)."""
     bind = f"tcp://127.0.0.1:{free_port()}"
     with publisher(endpoint=bind, topic="kv@w1@org/model") as rank0, \
             publisher(endpoint=bind, topic="kv@w1@org/model", rank=1) as rank1:
@@ -355,58 +358,57 @@ def test_a_ranks_own_worker_takes_its_blocks_when_it_joins_and_gives_them_back_w
                               # short, for the replay nobody answers; long enough for the ones
                               # that are answered on a loaded machine
                               kv_replay_timeout_s=1.5)
-        ranks = [(rank0, Workload(1)), (rank1, Workload(2, base=100_000))]
         with gateway(config) as gw, SluiceAdmin(gw.url, ADMIN_TOKEN) as admin:
-            sync(gw, rank0, "w1")  # (the batches sync publishes are empty)
-            sync(gw, rank1, "w1", rank=1)
-            _publish(*ranks)
-            applied_through(gw, "w1", rank1.next_seq - 1, rank=1)
-            applied_through(gw, "w1", rank0.next_seq - 1)
-            assert index_of(gw, "w1") == baseline(rank0.history, rank1.history)  # no w1#dp1 yet
+            yield rank0, rank1, gw, admin
 
-            admin.add_worker("w1#dp1", QUIET["url"], capacity_tokens=100_000, replay=rank1.replay)
-            _publish(*ranks)
-            applied_through(gw, "w1#dp1", rank1.next_seq - 1, rank=1)
-            applied_through(gw, "w1", rank0.next_seq - 1)
-            # rank 1's stream moved to w1#dp1, caught up there from seq 0 by its replay;
-            # w1's index was reset and rebuilt from rank 0's alone
-            assert index_of(gw, "w1#dp1") == baseline(rank1.history)
-            assert index_of(gw, "w1") == baseline(rank0.history)
-            assert gw.parts.kv_events.stats["w1"].resets == {"rank_rerouted": 1}
 
-            admin.drain("w1#dp1")
-            admin.remove("w1#dp1")
-            back = rank1.next_seq
-            _publish(*ranks)
-            applied_through(gw, "w1", rank1.next_seq - 1, rank=1)
-            applied_through(gw, "w1", rank0.next_seq - 1)
-            # rank 1 feeds w1 again, from the batch after the removal on (its replay is not
-            # where w1's would put it, so nothing before that can be caught up)
-            assert index_of(gw, "w1") == baseline(rank0.history, rank1.history[back:])
-            assert "w1#dp1" not in gw.parts.admission.policy.index.workers()
-            assert gw.parts.kv_events.stats["w1"].resets == {"rank_rerouted": 1}
-            assert failures_logged(gw) == []
+def test_a_ranks_own_worker_takes_its_blocks_when_it_joins_and_gives_them_back_when_it_leaves():
+    with two_ranks_on_one_socket() as (rank0, rank1, gw, admin):
+        ranks = [(rank0, Workload(1)), (rank1, Workload(2, base=100_000))]
+        sync(gw, rank0, "w1")  # (the batches sync publishes are empty)
+        sync(gw, rank1, "w1", rank=1)
+        _publish(*ranks)
+        applied_through(gw, "w1", rank1.next_seq - 1, rank=1)
+        applied_through(gw, "w1", rank0.next_seq - 1)
+        assert index_of(gw, "w1") == baseline(rank0.history, rank1.history)  # no w1#dp1 yet
+
+        admin.add_worker("w1#dp1", QUIET["url"], capacity_tokens=100_000, replay=rank1.replay)
+        _publish(*ranks)
+        applied_through(gw, "w1#dp1", rank1.next_seq - 1, rank=1)
+        applied_through(gw, "w1", rank0.next_seq - 1)
+        # rank 1's stream moved to w1#dp1, caught up there from seq 0 by its replay;
+        # w1's index was reset and rebuilt from rank 0's alone
+        assert index_of(gw, "w1#dp1") == baseline(rank1.history)
+        assert index_of(gw, "w1") == baseline(rank0.history)
+        assert gw.parts.kv_events.stats["w1"].resets == {"rank_rerouted": 1}
+
+        admin.drain("w1#dp1")
+        admin.remove("w1#dp1")
+        back = rank1.next_seq
+        _publish(*ranks)
+        applied_through(gw, "w1", rank1.next_seq - 1, rank=1)
+        applied_through(gw, "w1", rank0.next_seq - 1)
+        # rank 1 feeds w1 again, from the batch after the removal on (its replay is not
+        # where w1's would put it, so nothing before that can be caught up)
+        assert index_of(gw, "w1") == baseline(rank0.history, rank1.history[back:])
+        assert "w1#dp1" not in gw.parts.admission.policy.index.workers()
+        assert gw.parts.kv_events.stats["w1"].resets == {"rank_rerouted": 1}
+        assert failures_logged(gw) == []
 
 
 def test_a_quiet_rank_is_caught_up_again_as_soon_as_another_rank_resets_its_index():
     """Rank 0 publishes nothing after rank 1's own worker joins: the reset of w1 that rank 1's
     move causes must not leave w1 without rank 0's blocks until rank 0 publishes again."""
-    bind = f"tcp://127.0.0.1:{free_port()}"
-    with publisher(endpoint=bind, topic="kv@w1@org/model") as rank0, \
-            publisher(endpoint=bind, topic="kv@w1@org/model", rank=1) as rank1:
-        config = serve_config([{"name": "w1", "url": QUIET["url"], "capacity_tokens": 100_000,
-                                "replay": rank0.replay}], kv_events_bind=bind,
-                              kv_replay_timeout_s=1.5)
-        with gateway(config) as gw, SluiceAdmin(gw.url, ADMIN_TOKEN) as admin:
-            sync(gw, rank0, "w1")
-            sync(gw, rank1, "w1", rank=1)
-            _publish((rank0, Workload(1)), (rank1, Workload(2, base=100_000)))
-            applied_through(gw, "w1", rank1.next_seq - 1, rank=1)
-            applied_through(gw, "w1", rank0.next_seq - 1)
+    with two_ranks_on_one_socket() as (rank0, rank1, gw, admin):
+        sync(gw, rank0, "w1")
+        sync(gw, rank1, "w1", rank=1)
+        _publish((rank0, Workload(1)), (rank1, Workload(2, base=100_000)))
+        applied_through(gw, "w1", rank1.next_seq - 1, rank=1)
+        applied_through(gw, "w1", rank0.next_seq - 1)
 
-            admin.add_worker("w1#dp1", QUIET["url"], capacity_tokens=100_000, replay=rank1.replay)
-            _publish((rank1, Workload(3, base=200_000)))  # rank 0 stays quiet
-            applied_through(gw, "w1#dp1", rank1.next_seq - 1, rank=1)
-            assert gw.parts.kv_events.stats["w1"].resets == {"rank_rerouted": 1}
-            assert index_of(gw, "w1") == baseline(rank0.history)
-            assert failures_logged(gw) == []
+        admin.add_worker("w1#dp1", QUIET["url"], capacity_tokens=100_000, replay=rank1.replay)
+        _publish((rank1, Workload(3, base=200_000)))  # rank 0 stays quiet
+        applied_through(gw, "w1#dp1", rank1.next_seq - 1, rank=1)
+        assert gw.parts.kv_events.stats["w1"].resets == {"rank_rerouted": 1}
+        assert index_of(gw, "w1") == baseline(rank0.history)
+        assert failures_logged(gw) == []
