@@ -279,68 +279,49 @@ class Ledger:
         """Both sources are lower bounds of the true overlap (the index misses sessions that
         hit a prefix without reporting it; ancestry misses sharing the chains cannot see),
         so the larger one is the better estimate."""
-        ancestry = self._workers[name].ancestry_shared
-        kv = self._gpu.get(name)
-        if kv is not None and kv.events_seen > 0:  # the index's ``has_events``
-            return max(ancestry, kv.shared_tokens)
-        return ancestry
+        return self._shared(self._workers[name])
 
-    # The three below inline :meth:`shared_tokens` and one another: the pause pass and the
-    # placements read them millions of times a simulated hour. Each computes what its
-    # documented expression does, in the same order (the same floats, to the bit).
+    def _shared(self, load: WorkerLoad) -> int:
+        # read off the index's live view, not through ``has_events`` and ``worker``: the pause
+        # pass and the placements read U millions of times a simulated hour
+        shared = load.ancestry_shared
+        kv = self._gpu.get(load.name)
+        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
+            return kv.shared_tokens
+        return shared
+
+    def _load_tokens(self, load: WorkerLoad) -> float:
+        return (load.weighted_demand - self._shared(load)
+                + self._config.buffer_per_program * len(load.programs))
 
     def load_tokens(self, name: str) -> float:
         """The numerator of ``U_w``."""
-        load = self._workers[name]
-        shared = load.ancestry_shared
-        kv = self._gpu.get(name)
-        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
-            shared = kv.shared_tokens
-        return load.weighted_demand - shared + self._config.buffer_per_program * len(load.programs)
+        return self._load_tokens(self._workers[name])
 
     def utilization(self, name: str) -> float:
         """``load_tokens(name) / capacity`` (:data:`UNKNOWN_CAPACITY_UTILIZATION` without one)."""
         load = self._workers[name]
-        capacity = load.capacity_tokens
-        if not capacity:
+        if not load.capacity_tokens:
             return UNKNOWN_CAPACITY_UTILIZATION
-        shared = load.ancestry_shared
-        kv = self._gpu.get(name)
-        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
-            shared = kv.shared_tokens
-        return (load.weighted_demand - shared
-                + self._config.buffer_per_program * len(load.programs)) / capacity
+        return self._load_tokens(load) / load.capacity_tokens
 
     def utilizations(self) -> Iterator[tuple[WorkerLoad, float]]:
         """Each worker with its :meth:`utilization`, in :meth:`workers` order, each read when
         its turn comes (a caller that moves programs between turns sees the moves): the
         passes over every worker at every tick."""
-        gpu = self._gpu
         for load in self._workers.values():
-            capacity = load.capacity_tokens
-            if not capacity:
+            if not load.capacity_tokens:
                 yield load, UNKNOWN_CAPACITY_UTILIZATION
-                continue
-            shared = load.ancestry_shared
-            kv = gpu.get(load.name)
-            if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
-                shared = kv.shared_tokens
-            yield load, (load.weighted_demand - shared
-                         + self._config.buffer_per_program * len(load.programs)) / capacity
+            else:
+                yield load, self._load_tokens(load) / load.capacity_tokens
 
     def utilization_with(self, name: str, extra_tokens: float, extra_programs: int = 1) -> float:
         """``U_w`` if a program adding ``extra_tokens`` joined ``w``."""
         load = self._workers[name]
-        capacity = load.capacity_tokens
-        if not capacity:
+        if not load.capacity_tokens:
             return UNKNOWN_CAPACITY_UTILIZATION
-        buffer = self._config.buffer_per_program
-        shared = load.ancestry_shared
-        kv = self._gpu.get(name)
-        if kv is not None and kv.events_seen > 0 and kv.shared_tokens > shared:
-            shared = kv.shared_tokens
-        return ((load.weighted_demand - shared + buffer * len(load.programs))
-                + (extra_tokens + buffer * extra_programs)) / capacity
+        extra = extra_tokens + self._config.buffer_per_program * extra_programs
+        return (self._load_tokens(load) + extra) / load.capacity_tokens
 
     def contribution(self, session: str) -> float:
         """Tokens ``session`` currently adds to its worker (0 when it is not counted)."""
