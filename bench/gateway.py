@@ -53,6 +53,20 @@ queue. (Up to commit 017c6e4 the streams were back to back, unpaced: then the fi
 (an error status, a stream cut short) is counted and reported, not timed; more than a few
 abort the benchmark.
 
+``gateway_relays1_req_per_s``, ``gateway_relays2_req_per_s``, ``gateway_relays2_speedup``,
+``gateway_relays1_cpu_us_per_request``, ``gateway_relays2_cpu_us_per_request`` —
+``sluice serve --relays 2`` (a supervisor, the policy process and two relay processes on one
+port) against ``--relays 1`` (the one process), measured after the figures above by
+bench/gateway_relays.py: the same upstream, config and non-streaming load as
+``gateway_req_per_s``, but with **no process pinned** — the gateway's, the upstream's and the
+load generator's all on every CPU, the same for both configurations: a relay group pinned to
+one core has nothing to gain, and the CPUs left are the load's (on a 2-CPU machine all three
+share both). A fresh gateway per round, rounds in the order A B B A (twice over in the full
+run); requests per second and CPU per request are the medians over each configuration's rounds,
+the speedup the ratio of the two medians. CPU per request counts every process of the gateway
+(for ``--relays 2`` supervisor + policy + relays) over the window; stderr has each round's
+split by process. Each gateway must exit 0 on SIGTERM.
+
 ``--profile`` adds one more gateway process run under cProfile (``python -m cProfile -o``)
 with the non-streaming and streaming loads, and prints its top functions to stderr after the
 measurements; the reported numbers never come from the profiled run.
@@ -154,7 +168,7 @@ class _Child:
     """A server process of the benchmark: started, waited on until it answers, stopped."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, cpus: set[int] | None,
-                 stop_signal: int = signal.SIGTERM) -> None:
+                 stop_signal: int = signal.SIGTERM, process_group: int | None = None) -> None:
         self.name = name
         self.stop_signal = stop_signal
         self.log_path = log_path
@@ -165,6 +179,7 @@ class _Child:
             argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT,
             preexec_fn=_child_setup(cpus) if sys.platform.startswith("linux") else None,
+            process_group=process_group,
         )
 
     def log_tail(self) -> str:

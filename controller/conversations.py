@@ -295,13 +295,20 @@ class Conversations:
         """A call of ``session_id`` completed with ``answer`` to the prompt ``prompt_head``:
         the next call that carries that answer continues it. ``answer`` None (not readable)
         leaves the program without one: its next call starts a new program."""
+        self.answered_as(session_id, prompt_head,
+                         None if answer is None else answer_fingerprint(answer))
+
+    def answered_as(self, session_id: SessionId, prompt_head: ContinuationId,
+                    fingerprint: str | None) -> None:
+        """:meth:`answered`, with the answer's fingerprint (:func:`answer_fingerprint`)
+        taken where the answer was read (a relay process sends only that)."""
         self._ended(session_id)
         previous = self._last.pop(session_id, None)
         if previous is not None:
             self._drop(self._answers, previous, session_id)
-        if answer is None:
+        if fingerprint is None:
             return
-        key = AnswerKey(prompt_head, answer_fingerprint(answer))
+        key = AnswerKey(prompt_head, fingerprint)
         self._answers.setdefault(key, []).append(session_id)
         self._answers.move_to_end(key)
         self._last[session_id] = key

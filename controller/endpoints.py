@@ -31,6 +31,7 @@ import itertools
 import uuid
 from collections.abc import Callable, Mapping
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -55,8 +56,9 @@ from controller.identity import (
 )
 from controller.logs import CallLines
 from controller.parts import Parts
-from controller.prompt import ROUTE_MESSAGES
-from controller.relay import ProxyCall, RelayContext
+from controller.policy_link import LocalPolicyLink
+from controller.prompt import ROUTE_MESSAGES, ROUTE_RESPONSES
+from controller.relay import ProxyCall, RelayContext, RelayParts
 from controller.relay_client import TransportError
 from controller.request_body import (
     ClientGone,
@@ -79,26 +81,29 @@ from controller.upstream import (
     transport_error,
 )
 from scheduler.calls import CallRequest
-from scheduler.coordinates import ContinuationId
+from scheduler.coordinates import ContinuationId, SessionId
 
 ROUTE_COUNT_TOKENS = "/v1/messages/count_tokens"
 
 _encode = msgspec.json.Encoder().encode
 
 
-class Endpoints:
-    """The handlers of the gateway's routes, sharing one app's parts."""
+class CallEndpoint:
+    """The proxied routes' handler: the same in the gateway's one process and in a relay
+    process, reaching shared state only through ``relay_parts.link``."""
 
-    def __init__(self, parts: Parts, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 call_lines: CallLines, client_keys: ClientKeys | None = None) -> None:
-        self.parts = parts
+    def __init__(self, relay_parts: RelayParts, clock: Callable[[], float],
+                 wall_clock: Callable[[], float], call_lines: CallLines,
+                 client_keys: ClientKeys | None = None) -> None:
+        self.relay_parts = relay_parts
+        self.link = relay_parts.link
         self.client_keys = client_keys  # None: clients need no key
         self.call_lines = call_lines
-        self.config = parts.config
+        self.config = relay_parts.config
         self.clock = clock
         self.wall = wall_clock
-        self.log = parts.log
-        self.forwarded_client_keys = frozenset(parts.config.forward_client_keys)
+        self.log = relay_parts.log
+        self.forwarded_client_keys = frozenset(self.config.forward_client_keys)
         self.forwards_client_priority = PRIORITY_KEY in self.forwarded_client_keys
         # Request ids: a random prefix per app and a counter (uuid4 per call costs more
         # than the rest of the id's uses together).
@@ -106,13 +111,13 @@ class Endpoints:
         self._ids = itertools.count(1)
         # what every call it hands to the relay shares
         # which client headers the workers get (forward_client_headers; none by default)
-        self.client_headers = ClientHeaders(parts.config.forward_client_headers,
+        self.client_headers = ClientHeaders(self.config.forward_client_headers,
                                             self.forwards_client_priority)
-        self._relay_context = RelayContext(parts, clock, wall_clock, call_lines,
+        self._relay_context = RelayContext(relay_parts, clock, wall_clock, call_lines,
                                            self.client_headers)
 
     def count_request(self, route: str, status: int) -> None:
-        self.parts.metrics.count_request(route, status)
+        self.relay_parts.metrics.count_request(route, status)
 
     # -- the proxied routes -----------------------------------------------------------
 
@@ -130,9 +135,9 @@ class Endpoints:
                 body_bytes = await read_asgi_body(receive, headers, self.config.max_body_bytes)
                 body = parse_json_object(body_bytes)
                 check_stream_flag(body)
+                lookup = await self._response_lookup(route, body)
                 try:
-                    identity, forward = resolve_identity(route, headers, body,
-                                                         self.parts.responses.get,
+                    identity, forward = resolve_identity(route, headers, body, lookup,
                                                          _tenant(client))
                     strip_client_engine_keys(forward, self.forwarded_client_keys)
                 except RecursionError:
@@ -158,7 +163,7 @@ class Endpoints:
                 await unknown.response(path=route)(scope, receive, send)
                 return
             if identity.source == CONTENT_SOURCE:
-                identity = assigned = self._continue_conversation(identity, client)
+                identity = assigned = await self._continue_conversation(identity, client)
             try:
                 stream = forward.get("stream") is True
                 drop_usage = prepare_body(route, forward, identity.session_id, identity.chain.head)
@@ -166,8 +171,7 @@ class Endpoints:
                 sends_priority = sends_engine_priority(route, forward)
             except RecursionError:
                 # ... or to encode again
-                if assigned is not None:
-                    self.parts.conversations.failed(assigned.session_id, assigned.chain.head)
+                await self._conversation_failed(assigned)
                 await self._refuse(route, too_deep())(scope, receive, send)
                 return
             call = CallRequest(
@@ -185,8 +189,7 @@ class Endpoints:
         except Exception as exc:
             # What Starlette's error middleware does for the other routes: nothing was sent yet.
             self.log.error("unhandled error", path=route, exc_info=exc)
-            if assigned is not None:
-                self.parts.conversations.failed(assigned.session_id, assigned.chain.head)
+            await self._conversation_failed(assigned)
             await error_response(500, "internal error in the gateway", INTERNAL,
                                  path=route)(scope, receive, send)
             return
@@ -198,14 +201,13 @@ class Endpoints:
         if client is not None:
             assert self.client_keys is not None
             try:
-                self.client_keys.claim(client, identity.session_id, identity.parent_session_id,
-                                       self.parts.admission.policy.has_program)
+                await self.link.claim(client.name, identity.session_id,
+                                      identity.parent_session_id)
             except GatewayError as err:
                 self.log.warning("session of another client key", route=route,
                                  client_key=client.name, session_id=identity.session_id,
                                  parent_session_id=identity.parent_session_id)
-                if assigned is not None:
-                    self.parts.conversations.failed(assigned.session_id, assigned.chain.head)
+                await self._conversation_failed(assigned)
                 refusal = self._refuse(route, err)
                 self._record_refused(route, refusal.status_code, str(err), identity, received,
                                      received_wall)
@@ -218,8 +220,24 @@ class Endpoints:
                             sends_priority)(receive, send)
         finally:
             if client is not None:
-                assert self.client_keys is not None
-                self.client_keys.call_ended(client, identity.session_id)
+                with anyio.CancelScope(shield=True):
+                    await self.link.call_ended(client.name, identity.session_id)
+
+    async def _response_lookup(self, route: str, body: dict) -> Callable[[str], SessionId | None]:
+        """What :func:`resolve_identity` looks a ``previous_response_id`` up with: the one
+        id the body names, asked of the link before (the table may live in another process)."""
+        previous = body.get("previous_response_id") if route == ROUTE_RESPONSES else None
+        if not isinstance(previous, str):
+            return _no_response
+        found = await self.link.lookup_response(previous)
+        return lambda response_id: found if response_id == previous else None
+
+    async def _conversation_failed(self, assigned: Identity | None) -> None:
+        """A call without identity that was counted in its conversation ended unanswered."""
+        if assigned is not None:
+            with anyio.CancelScope(shield=True):
+                await self.link.conversation_ended(assigned.session_id, assigned.chain.head,
+                                                   False, None)
 
     def _authenticate(self, headers: Mapping[str, str], route: str) -> ClientKey | None:
         """The client key a request carries; None when the gateway has no keys. A 401
@@ -237,7 +255,7 @@ class Endpoints:
                         received: float, received_wall: float) -> None:
         """The ``request_end`` record of a request refused before it became a call (invalid,
         too large, a model nobody serves, the client gone during its upload)."""
-        request_log = self.parts.request_log
+        request_log = self.relay_parts.request_log
         if request_log.path is None:
             return
         request_log.write(request_end_record(
@@ -250,31 +268,18 @@ class Endpoints:
             extra={"worker": None, "route": route, "status": status, "error": error,
                    "identity_source": identity.source if identity is not None else None}))
 
-    def _continue_conversation(self, identity: Identity, client: ClientKey | None) -> Identity:
+    async def _continue_conversation(self, identity: Identity,
+                                     client: ClientKey | None) -> Identity:
         """A call without identity: the program whose last answer it carries on, or a new
         one of its opening's group (controller/conversations.py), counted in flight until
         the call ends. With client keys, a program another key owns is not continued: the
         call starts a new program of its own key's group instead."""
         assert identity.group_id is not None  # resolve_identity names the opening's group
-        conversations = self.parts.conversations
-        prompt_head = identity.chain.head
-        if client is not None and self._owned_by_another(
-                client, conversations.find(identity.continues, prompt_head)):
-            # Two keys sent the same conversation, answer and all. A lookup by a head that
-            # matches nothing (the call's own request serial) mints a new program of the
-            # group and finds none; the call's end is still reported under its real head.
-            session = conversations.assign(identity.group_id, None,
-                                           ContinuationId(f"{self._id_prefix}fresh-"
-                                                          f"{next(self._ids)}"))
-        else:
-            session = conversations.assign(identity.group_id, identity.continues, prompt_head)
+        fresh = ContinuationId(f"{self._id_prefix}fresh-{next(self._ids)}")
+        session = await self.link.continue_conversation(
+            identity.group_id, identity.continues, identity.chain.head,
+            None if client is None else client.name, fresh)
         return dataclasses.replace(identity, session_id=session)
-
-    def _owned_by_another(self, client: ClientKey, session_id: str | None) -> bool:
-        if session_id is None or self.client_keys is None:
-            return False
-        owner = self.client_keys.owner(session_id)
-        return owner is not None and owner is not client
 
     def _refuse(self, route: str, err: GatewayError | IdentityError) -> Response:
         """The gateway's own answer to a request it will not forward, counted by status."""
@@ -285,10 +290,23 @@ class Endpoints:
 
     async def _unknown_model(self, model: str | None) -> GatewayError | None:
         """The 404 for a model no worker serves (None when it is served, or unnamed)."""
-        if model is None or await self.parts.models.is_served(model):
+        if model is None or await self.link.model_served(model):
             return None
         return GatewayError(404, f"the model `{model}` does not exist: no worker serves it",
                             INVALID_REQUEST, param="model", code=MODEL_NOT_FOUND)
+
+
+class Endpoints(CallEndpoint):
+    """The handlers of all the gateway's routes in the process that holds the policy: the
+    proxied one (:class:`CallEndpoint`), the token count, the model list, health, metrics."""
+
+    def __init__(self, parts: Parts, clock: Callable[[], float], wall_clock: Callable[[], float],
+                 call_lines: CallLines, client_keys: ClientKeys | None = None) -> None:
+        self.parts = parts
+        self.local_link = LocalPolicyLink(parts, client_keys)
+        super().__init__(RelayParts(parts.config, self.local_link, parts.pool, parts.metrics,
+                                    parts.request_log, parts.drain, parts.log),
+                         clock, wall_clock, call_lines, client_keys)
 
     async def count_tokens(self, request: Request) -> Response:
         """Relay an Anthropic token count to a worker. Not a call: it runs nothing on the
@@ -314,7 +332,7 @@ class Endpoints:
                 # the program the call it prepares would continue (nothing is counted)
                 found = self.parts.conversations.find(identity.continues, identity.chain.head)
                 if found is not None and not (client is not None
-                                              and self._owned_by_another(client, found)):
+                                              and self.local_link.owned_by_another(client, found)):
                     session = found
             raw_headers = request.headers.raw
             if client is not None:
@@ -384,6 +402,10 @@ class Endpoints:
 
     async def metrics(self, request: Request) -> Response:
         return self.parts.metrics.render()
+
+
+def _no_response(_response_id: str) -> SessionId | None:
+    return None
 
 
 def _tenant(client: ClientKey | None) -> str | None:

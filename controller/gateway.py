@@ -53,9 +53,12 @@ from scheduler.policies import make_policy
 def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monotonic,
                wall_clock: Callable[[], float] = time.time,
                directive_sink: DirectiveSink | None = None,
-               log_stream: IO[str] | None = None) -> Starlette:
+               log_stream: IO[str] | None = None,
+               metrics_dir: str | None = None) -> Starlette:
     """Build the gateway for ``config``. ``clock`` is the policy's (monotonic) time;
-    ``wall_clock`` stamps request records and worker checks."""
+    ``wall_clock`` stamps request records and worker checks. ``metrics_dir``: the policy
+    process of ``sluice serve --relays N``, whose metrics add up every process's
+    (controller/metrics.py)."""
     log_stream = log_stream if log_stream is not None else sys.stderr
     log = make_logger(config.log_level, log_stream)
     policy = make_policy(config.policy)
@@ -69,7 +72,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
                           clients=client_keys)
     pool = UpstreamPool([], config.upstream)
     workers = WorkerRegistry(config, pool, admission, log, wall_clock)
-    metrics = Metrics(admission)
+    metrics = Metrics(admission, metrics_dir)
     request_log = RequestLog(config.request_log, log)
     reloader = ConfigReloader(config, admission, metrics, log, wall_clock)
     # KV-event subscriber: engines' events feed the policy's index (under the admission lock)
@@ -86,7 +89,7 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
                           client_keys)
     admin = AdminApi(config.resolved_admin_token(), admission, fleet, reloader, clock)
     forwarder = None if config.shards is None else ShardForwarder(
-        config.shards, pool.limits, config.max_body_bytes, metrics.registry, log)
+        config.shards, pool.limits, config.max_body_bytes, metrics.series_registry, log)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -148,6 +151,9 @@ def create_app(config: ServeConfig, *, clock: Callable[[], float] = time.monoton
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
     app.state.sluice = parts
+    # what the relay processes of ``sluice serve --relays N`` reach the parts through
+    # (controller/policy_service.py)
+    app.state.policy_link = endpoints.local_link
     return app
 
 

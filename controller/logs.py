@@ -39,14 +39,16 @@ class CallLines:
     :func:`make_logger`'s processors make (``logger_name``, the fields, ``event``, ``level``,
     ``timestamp``), encoded by msgspec at a fraction of structlog's cost per line."""
 
-    def __init__(self, level: str, stream: IO[str]) -> None:
+    def __init__(self, level: str, stream: IO[str], relay: str | None = None) -> None:
         self.enabled = _LEVELS[level] <= _LEVELS["info"]
         self._stream = stream
+        # the relay process a line comes from (``sluice serve --relays N``), as its logger binds
+        self._bound = {} if relay is None else {"relay": relay}
 
     def info(self, event: str, fields: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        line = {"logger_name": LOGGER_NAME, **fields, "event": event, "level": "info",
+        line = {"logger_name": LOGGER_NAME, **self._bound, **fields, "event": event, "level": "info",
                 "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")}
         self._stream.write(_encode(line).decode() + "\n")
         self._stream.flush()

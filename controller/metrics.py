@@ -7,11 +7,17 @@ unknown and attributed removals) are read from the policy when scraped
 (:class:`_PolicyCollector`), and the KV-event subscriber's counters from the subscriber
 (:class:`_KvEventsCollector`), so they cannot drift from what they count; hold time,
 upstream latency, requests and token usage are recorded as calls end.
+
+Under ``sluice serve --relays N`` (controller/relay_processes.py) calls end in the relay
+processes: the series recorded as calls end live in prometheus_client's multiprocess files
+(``PROMETHEUS_MULTIPROC_DIR``, set for every process of the gateway before it starts), and the
+policy process's ``/metrics`` adds them up over all processes beside its own collectors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+import os
 from typing import Any
 
 from prometheus_client import (
@@ -22,6 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
@@ -212,48 +219,63 @@ class Metrics:
     """The app's metrics registry: the collectors read at scrape time, and the series the
     relay records as calls end."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission | None, multiprocess_dir: str | None = None) -> None:
+        """``admission`` None: a relay process's, which records and never renders.
+        ``multiprocess_dir``: the series are recorded in that directory's files (it must be
+        ``PROMETHEUS_MULTIPROC_DIR``: prometheus_client picks its storage on import)."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_PolicyCollector(admission))
+        if admission is not None:
+            self.registry.register(_PolicyCollector(admission))
+        series: CollectorRegistry | None = self.registry
+        if multiprocess_dir is not None:
+            if os.environ.get("PROMETHEUS_MULTIPROC_DIR") != multiprocess_dir:
+                raise RuntimeError("metrics across processes need PROMETHEUS_MULTIPROC_DIR="
+                                   f"{multiprocess_dir} in the environment before start")
+            series = None  # the files hold them; read back summed over processes
+            if admission is not None:
+                MultiProcessCollector(self.registry, path=multiprocess_dir)
+        # where the series recorded as calls end register (None: multiprocess files)
+        self.series_registry = series
         self.hold_seconds = Histogram(
             "sluice_hold_seconds", "Time a call was held by Sluice before it went upstream.",
-            buckets=HOLD_BUCKETS, registry=self.registry,
+            buckets=HOLD_BUCKETS, registry=series,
         )
         self.upstream_seconds = Histogram(
             "sluice_upstream_latency_seconds",
             "Time from sending a call upstream to its last byte.",
-            ["worker", "stream"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            ["worker", "stream"], buckets=LATENCY_BUCKETS, registry=series,
         )
         self.ttft_seconds = Histogram(
             "sluice_upstream_ttfb_seconds", "Time from sending a call upstream to its first byte.",
-            ["worker"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            ["worker"], buckets=LATENCY_BUCKETS, registry=series,
         )
         self.requests = Counter(
             "sluice_requests", "Calls answered, by route and status.", ["route", "status"],
-            registry=self.registry,
+            registry=series,
         )
         # From the usage of each completed call: the fleet's prefix-cache hit rate is
         # rate(cached) / rate(prompt).
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of completed calls, by worker.", ["worker"],
-            registry=self.registry)
+            registry=series)
         self.cached_tokens = Counter(
             "sluice_cached_tokens", "Prompt tokens served from the prefix cache (usage "
-            "cached_tokens), by worker.", ["worker"], registry=self.registry)
+            "cached_tokens), by worker.", ["worker"], registry=series)
         self.completion_tokens = Counter(
             "sluice_completion_tokens", "Output tokens of completed calls, by worker.", ["worker"],
-            registry=self.registry)
+            registry=series)
         self.reloads = Counter(
-            "sluice_config_reloads", "Config reloads by result.", ["result"], registry=self.registry,
+            "sluice_config_reloads", "Config reloads by result.", ["result"], registry=series,
         )
         self.edge_refusals = Counter(
             "sluice_edge_refusals", "Requests the listener refused (http: bounds) and clients it "
             "cut for not reading, by reason; counted even when the log line is skipped.",
-            ["reason"], registry=self.registry)
+            ["reason"], registry=series)
         # Every reason at 0 from the start, so a scrape shows them before the first refusal.
         self._edge_refusal_counters = {reason: self.edge_refusals.labels(reason)
                                        for reason in EDGE_REFUSAL_REASONS}
-        self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=self.registry)
+        self.up = Gauge("sluice_up", "1 while the gateway serves.", registry=series,
+                        multiprocess_mode="max")
         self.up.set(1)
         self._request_counters: dict[tuple[str, int], Any] = {}
         self._upstream_histograms: dict[tuple[str, bool], tuple[Any, Any]] = {}

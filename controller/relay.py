@@ -30,6 +30,11 @@ away the whole time: while held, while the worker computes, while streaming.
    ``call done`` line, written before its last byte is sent: :meth:`ProxyCall._record`.
 3. A call without identity that did not complete is given back to its conversation, so a
    retry of it continues the same program (``Conversations.failed``).
+4. What a call changes in shared state (its end, the answer its conversation continues from,
+   a Responses id) is acknowledged by the policy link before the call's last byte is sent, so
+   the program's next call finds it whichever relay process takes it
+   (controller/policy_link.py): :meth:`ProxyCall._account`, :meth:`ProxyCall._finish_stream`,
+   :meth:`ProxyCall._relay_whole`.
 """
 
 from __future__ import annotations
@@ -45,11 +50,14 @@ import msgspec
 from starlette.types import Receive, Send
 
 from controller.admission import Admitted
-from controller.conversations import Answer, AnswerTap, answer_from_body
+from controller.conversations import Answer, AnswerTap, answer_fingerprint, answer_from_body
 from controller.errors import INTERNAL, UNAVAILABLE, GatewayError
 from controller.identity import CONTENT_SOURCE, Identity
 from controller.logs import CallLines
-from controller.parts import Parts
+from controller.drain import Drain
+from controller.metrics import Metrics
+from controller.policy_link import PolicyLink
+from controller.request_log import RequestLog
 from controller.prompt import ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_RESPONSES
 from controller.relay_client import RelayResponse, TransportError
 from controller.request_log import request_end_record
@@ -61,6 +69,7 @@ from controller.upstream import (
     forward_headers,
     open_upstream,
     response_headers,
+    UpstreamPool,
     transport_error,
     with_engine_priority,
 )
@@ -81,11 +90,26 @@ _ANSWER_KINDS = {ROUTE_CHAT: "chat", ROUTE_MESSAGES: "messages", ROUTE_RESPONSES
 
 
 @dataclass(frozen=True, slots=True)
+class RelayParts:
+    """What relaying a call needs, the same in the gateway's one process and in each relay
+    process of ``sluice serve --relays N`` (controller/relay_processes.py): the shared state
+    only through ``link`` (controller/policy_link.py), the rest the process's own."""
+
+    config: ServeConfig
+    link: PolicyLink
+    pool: UpstreamPool
+    metrics: Metrics
+    request_log: RequestLog
+    drain: Drain
+    log: Any
+
+
+@dataclass(frozen=True, slots=True)
 class RelayContext:
     """What every call one app relays shares: its parts, its clocks (the policy's monotonic
     one, and the wall clock of records), the per-call log lines."""
 
-    parts: Parts
+    parts: RelayParts
     clock: Callable[[], float]
     wall: Callable[[], float]
     call_lines: CallLines
@@ -172,7 +196,9 @@ class ProxyCall:
                 if self.identity.source == CONTENT_SOURCE and not self.answered:
                     # refused, failed or cut: a retry of it continues the same program
                     # (invariant 3)
-                    self.ctx.parts.conversations.failed(self.call.session_id, self.identity.chain.head)
+                    with anyio.CancelScope(shield=True):
+                        await self.ctx.parts.link.conversation_ended(
+                            self.call.session_id, self.identity.chain.head, False, None)
         if self.cut and not self.finished:
             await self._end_for_shutdown()
         elif not self.finished:
@@ -245,22 +271,17 @@ class ProxyCall:
         could not be connected to at all is taken out at once. None when the client has its
         answer already."""
         parts = self.ctx.parts
+        link = parts.link
         first_id = self.call.request_id
         last_error: GatewayError | None = None
-        for attempt in range(len(parts.workers.states) + 1):
-            if not parts.workers.can_take_calls():
-                # Nothing to hold for: answer now and let the client retry. (A worker whose
-                # capacity is still unknown is healthy, and one asleep will be woken: calls
-                # wait for them.)
-                await self._send_error(last_error or GatewayError(
-                    503, "no healthy worker: every worker fails its health checks", UNAVAILABLE,
-                    retry_after_s=self.ctx.config.limits.retry_after_s))
-                return None
+        attempt = 0
+        while attempt <= link.worker_count():
             if attempt:
                 self.call = dataclasses.replace(self.call, request_id=f"{first_id}-{attempt}")
                 self.admitted, self.accounted = None, False
+            attempt += 1
             try:
-                self.admitted = await parts.admission.arrive(self.call)
+                self.admitted = await link.admit(self.call)
             except GatewayError as err:
                 await self._send_error(err)
                 return None
@@ -269,6 +290,14 @@ class ProxyCall:
                                        session_id=self.call.session_id)
                 await self._send_error(GatewayError(500, "internal error while admitting the call",
                                                     INTERNAL))
+                return None
+            if self.admitted is None:
+                # Nothing to hold for: answer now and let the client retry. (A worker whose
+                # capacity is still unknown is healthy, and one asleep will be woken: calls
+                # wait for them.)
+                await self._send_error(last_error or GatewayError(
+                    503, "no healthy worker: every worker fails its health checks", UNAVAILABLE,
+                    retry_after_s=self.ctx.config.limits.retry_after_s))
                 return None
             if self.admitted.held_s > 0:
                 parts.metrics.hold_seconds.observe(self.admitted.held_s)
@@ -290,7 +319,7 @@ class ProxyCall:
                                      session_id=self.call.session_id, worker=err.worker,
                                      problem=err.message, worker_down=err.worker_down)
                 if err.worker_down:
-                    await parts.workers.mark_unreachable(err.worker, err.message)
+                    await link.worker_unreachable(err.worker, err.message)
                 last_error = err
             except GatewayError as err:
                 await self._account(None)
@@ -325,8 +354,8 @@ class ProxyCall:
             if usage is not None:
                 counts.update(usage)
             response_id = find_response_id(obj)
-            if response_id is not None:
-                self.ctx.parts.responses.put(response_id, self.call.session_id)
+            if response_id is not None:  # before the answer goes (invariant 4)
+                await self.ctx.parts.link.remember_response(response_id, self.call.session_id)
             answer = answer_from_body(self.answer_kind, obj) if self.answer_kind else None
             await self._account(counts, answer)
         else:
@@ -383,33 +412,34 @@ class ProxyCall:
         await self._body(b"", more=False)
 
     async def _finish_stream(self, tap: StreamTap) -> None:
-        if tap.response_id is not None:
-            self.ctx.parts.responses.put(tap.response_id, self.call.session_id)
+        if tap.response_id is not None:  # before the last byte (invariant 4)
+            await self.ctx.parts.link.remember_response(tap.response_id, self.call.session_id)
         await self._account(tap.usage, tap.answer.answer() if tap.answer is not None else None)
 
     # -- bookkeeping ------------------------------------------------------------------
 
     async def _account(self, counts: UsageCounts | None, answer: Answer | None = None) -> None:
-        """Tell the policy how the call ended, once (invariant 1); shielded, so a client
-        leaving at that moment cannot leave the policy thinking the call still runs. A call without identity
-        that completed leaves its ``answer`` for the program's next call to carry on from,
-        before the client has it."""
+        """Tell the policy how the call ended, once (invariant 1), and wait for it to hear
+        (invariant 4); shielded, so a client leaving at that moment cannot leave the policy
+        thinking the call still runs. A call without identity that completed leaves its
+        ``answer`` for the program's next call to carry on from, before the client has it."""
         if self.accounted:
             return
         self.accounted = True
-        if counts is not None and self.identity.source == CONTENT_SOURCE:
-            self.answered = True
-            self.ctx.parts.conversations.answered(self.call.session_id, self.identity.chain.head,
-                                                  answer)
+        link = self.ctx.parts.link
         with anyio.CancelScope(shield=True):
-            admission = self.ctx.parts.admission
+            if counts is not None and self.identity.source == CONTENT_SOURCE:
+                self.answered = True
+                await link.conversation_ended(
+                    self.call.session_id, self.identity.chain.head, True,
+                    None if answer is None else answer_fingerprint(answer))
             if counts is None:
-                await admission.abort(self.call.request_id)
+                await link.abort(self.call.request_id)
                 return
             if not counts.known:
                 self.ctx.log.info("no usage in the response; using the estimate",
                                   request_id=self.call.request_id, route=self.route)
-            await admission.complete(self.call.request_id, counts.to_usage(self.identity.prompt_tokens))
+            await link.complete(self.call.request_id, counts.to_usage(self.identity.prompt_tokens))
 
     def _observe(self, worker: str, counts: UsageCounts | None) -> None:
         """Metrics of a call the worker answered (``counts`` None: it refused it)."""

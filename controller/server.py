@@ -16,6 +16,7 @@ import asyncio
 import functools
 import importlib.util
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -371,14 +372,15 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_gateway(app: Any, host: str, port: int) -> None:
-    """Serve ``app`` (from :func:`controller.gateway.create_app`) until SIGTERM/SIGINT."""
+def run_gateway(app: Any, host: str, port: int, sockets: list[socket.socket] | None = None) -> None:
+    """Serve ``app`` (from :func:`controller.gateway.create_app`) until SIGTERM/SIGINT, on
+    ``host:port`` or on ``sockets`` already bound (a relay process's SO_REUSEPORT one)."""
     drain: Drain = app.state.sluice.drain
     # uvicorn captures SIGTERM for its shutdown and raises it again once it is done; with
     # the default action that would end the process "killed by SIGTERM" after a clean drain.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        DrainingServer(server_config(app, host, port, drain.grace_s), drain).run()
+        DrainingServer(server_config(app, host, port, drain.grace_s), drain).run(sockets=sockets)
     except KeyboardInterrupt:
         # uvicorn re-raises the SIGINT it captured once it has shut down; as uvicorn.run
         # does, a Ctrl-C that ended a clean shutdown is a normal exit.

@@ -73,7 +73,7 @@ class ShardForwarder:
     """Which gateway owns a call, and the forwarding of those this one does not own."""
 
     def __init__(self, config: ShardsConfig, limits: Limits, max_body_bytes: int,
-                 registry: CollectorRegistry, log: Any) -> None:
+                 registry: CollectorRegistry | None, log: Any) -> None:
         self.index = config.index
         self.gateways = config.gateways
         self._max_body_bytes = max_body_bytes

@@ -154,6 +154,13 @@ def serve(
     host: Optional[str] = typer.Option(None, "--host", help="Override listen.host from the file."),
     port: Optional[int] = typer.Option(None, "--port", min=0, max=65535,
                                        help="Override listen.port from the file."),
+    relays: int = typer.Option(
+        1, "--relays", min=1, max=64,
+        help="Processes relaying HTTP on the port. 1: the gateway is one process. N > 1: the "
+        "policy in one process and N relay processes in front of it on the same port "
+        "(SO_REUSEPORT), for more calls and streams than one core relays; same admission, "
+        "metrics summed over the processes, the same drain on SIGTERM. Worth it only with "
+        "cores to spare beyond the workers' and the clients' (docs/architecture.md §8)."),
 ) -> None:
     from controller.gateway import create_app
     from controller.server import run_gateway
@@ -166,6 +173,11 @@ def serve(
         raise usage_error(str(err)) from None
     listen_host = host or settings.listen.host
     listen_port = settings.listen.port if port is None else port
+    if relays > 1:
+        from controller.relay_processes import RelayGroup
+
+        raise typer.Exit(RelayGroup(config, listen_host, listen_port, relays,
+                                    settings.log_level).run())
     app_ = create_app(settings)
     run_gateway(app_, listen_host, listen_port)
 
