@@ -6,9 +6,9 @@
 - ``sim_cc512_30min_s``: SWE-bench workload, 512 programs in a closed loop, 8 workers,
   1,800 simulated seconds.
 - ``sim_64x4096_30min_s``: the same at fleet scale, 4,096 programs on 64 workers for 1,800
-  simulated seconds. It takes far longer than the rest of ``make bench`` together (~15–20 min
-  of CPU on the 2-core development machine, extrapolated from its first 300 simulated s;
-  design notes "Simulator speed"), so it runs only when asked:
+  simulated seconds. It takes longer than the rest of ``make bench`` together (321 s on the
+  2-core development machine, 2026-12-05; design notes "Simulator speed"), so it runs only
+  when asked:
   ``SLUICE_BENCH_FLEET=1 python -m bench --only sim`` (or ``make bench`` with it set);
   otherwise a note on stderr says it was skipped.
 """
@@ -53,7 +53,7 @@ FLEET_ENV = "SLUICE_BENCH_FLEET"
 def run_fleet() -> None:
     """``sim_64x4096_30min_s``, only when :data:`FLEET_ENV` is set to 1."""
     if os.environ.get(FLEET_ENV) != "1":
-        progress(f"skipping sim_64x4096_30min_s (~15-20 min): set {FLEET_ENV}=1 to run it")
+        progress(f"skipping sim_64x4096_30min_s (~5-6 min): set {FLEET_ENV}=1 to run it")
         return
     _closed_loop("sim_64x4096_30min_s", "64x4096", programs=4096, workers=64)
 
