@@ -289,3 +289,27 @@ def test_relays_must_be_at_least_one(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--relays" in done.stderr
 
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody has reaped yet has stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_children_of_a_killed_supervisor_drain_and_stop_by_themselves(tmp_path):
+    with fakes("w0") as started:
+        with relay_gateway(tmp_path, _wide_workers(started), shutdown_grace_s=1.0) as gw:
+            [starting] = [line for line in gw.log_lines() if line.get("event") == "gateway starting"
+                          and line.get("process") == "supervisor"]
+            children = [starting["policy_pid"], *starting["relay_pids"]]
+            assert gw.post(chat(), **{"x-session-id": "s"}).status_code == 200
+            gw.proc.kill()  # no drain of its own: the children must notice
+            gw.proc.wait(10)
+            wait_for(lambda: not any(_running(pid) for pid in children), timeout=30,
+                     what="the policy process and the relays stopped")
+    events = [line.get("event") for line in gw.log_lines()]
+    assert events.count("relay stopped") == 2 and "gateway stopped" in events  # drained
