@@ -250,15 +250,15 @@ def test_sigterm_drains_every_relay_then_stops_the_policy(tmp_path):
 
 def test_a_relay_that_dies_is_started_again_and_its_calls_leave_the_policy(tmp_path):
     with fakes("w0") as started:
-        with relay_gateway(tmp_path, _wide_workers(started)) as gw, ThreadPoolExecutor(8) as pool:
+        with relay_gateway(tmp_path, _wide_workers(started)) as gw, ThreadPoolExecutor(16) as pool:
             [starting] = [line for line in gw.log_lines() if line.get("event") == "gateway starting"
                           and line.get("process") == "supervisor"]
             victim = starting["relay_pids"][0]
-            slow = [pool.submit(_try_post, gw, f"slow-{n}") for n in range(8)]
-            wait_for(lambda: len(started[0][0].seen) >= 8, timeout=20, what="all calls upstream")
+            slow = [pool.submit(_try_post, gw, f"slow-{n}") for n in range(16)]
+            wait_for(lambda: len(started[0][0].seen) >= 16, timeout=20, what="all calls upstream")
             os.kill(victim, signal.SIGKILL)
             outcomes = [f.result() for f in slow]
-            assert "lost" in outcomes  # some calls were on the killed relay (2^-8 to fail)
+            assert "lost" in outcomes  # some calls were on the killed relay (2^-16 to fail)
             lost = [f"slow-{n}" for n, outcome in enumerate(outcomes) if outcome == "lost"]
             gone = wait_for(lambda: [line for line in gw.log_lines() if line.get("event") ==
                                      "relay gone; its calls aborted in the policy"],
