@@ -40,11 +40,11 @@ class _RelayConnection(asyncio.Protocol):
         self.service = service
         self.name = "?"  # until its hello
         self.transport: asyncio.Transport | None = None
-        self.outgoing: list[bytes] = []  # answers written together at the end of this turn
+        self.writer = wire.FrameWriter()
         self.reader = wire.FrameReader(service.frame_limit)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = self.writer.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -61,16 +61,7 @@ class _RelayConnection(asyncio.Protocol):
         self.service.gone(self)
 
     def send(self, ask_id: int, answer: wire.Answer) -> None:
-        """Queue an answer; those of one turn of the event loop go out in one write."""
-        if not self.outgoing:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.outgoing.append(wire.frame(ask_id, _encode(answer)))
-
-    def _flush(self) -> None:
-        data = b"".join(self.outgoing)
-        self.outgoing.clear()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        self.writer.write(ask_id, _encode(answer))
 
 
 class PolicyService:

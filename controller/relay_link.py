@@ -87,7 +87,7 @@ class RemotePolicyLink:
         self._retry_after_s = retry_after_s
         self._frame_limit = frame_limit
         self._transport: asyncio.Transport | None = None
-        self._outgoing: list[bytes] = []  # frames written together at the end of this turn
+        self._writer = wire.FrameWriter()
         self._gone: str | None = None  # why the connection is gone, once it is
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[bytes]] = {}
@@ -104,7 +104,8 @@ class RemotePolicyLink:
         except OSError as err:
             raise PolicyGone(f"cannot connect to {self._path}: {err}",
                              self._retry_after_s) from None
-        self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+        # uvloop's transport is no asyncio.Transport
+        self._transport = self._writer.transport = transport  # type: ignore[assignment]
         await self._ask(wire.Hello(self._name), "hello")
 
     async def aclose(self) -> None:
@@ -112,19 +113,6 @@ class RemotePolicyLink:
             self._gone = "the relay closed it"  # its own doing: nothing to report
         if self._transport is not None:
             self._transport.close()
-
-    def _write(self, data: bytes) -> None:
-        """Queue a frame; the frames of one turn of the event loop go out in one write (one
-        system call for the asks of every call that reached this point in the same turn)."""
-        if not self._outgoing:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outgoing.append(data)
-
-    def _flush(self) -> None:
-        data = b"".join(self._outgoing)
-        self._outgoing.clear()
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data)
 
     def answered(self, ask_id: int, payload: bytes) -> None:
         future = self._waiting.pop(ask_id, None)
@@ -154,7 +142,7 @@ class RemotePolicyLink:
         # a timer rather than asyncio.wait_for: a handle costs less than a task per ask
         timer = loop.call_later(timeout_s or self._ask_timeout_s, _expire, future)
         try:
-            self._write(wire.frame(ask_id, _encode(ask)))
+            self._writer.write(ask_id, _encode(ask))
             payload = await future
         except TimeoutError:
             raise PolicyGone(what, self._retry_after_s) from None
@@ -196,7 +184,7 @@ class RemotePolicyLink:
         # Sent without waiting, so it goes even from a cancelled task; no answer comes.
         if self._transport is not None and not self._transport.is_closing():
             abandon = wire.Abandon(call.request_id)
-            self._write(wire.frame(wire.NO_ANSWER, _encode(abandon)))
+            self._writer.write(wire.NO_ANSWER, _encode(abandon))
 
     async def _connect(self, worker: str, url: str) -> None:
         """Open the relay's connections to ``worker`` at ``url`` if they are not open yet."""

@@ -16,6 +16,7 @@ event loop's reader 48 and 35, over asyncio's own Unix streams 21 and 14 (design
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import msgspec
@@ -168,6 +169,29 @@ class FrameTooLarge(ValueError):
 
 def frame(ask_id: int, payload: bytes) -> bytes:
     return _HEAD.pack(len(payload), ask_id) + payload
+
+
+class FrameWriter:
+    """Frames to one transport; those of one turn of the event loop go out in one write (one
+    system call for the asks, or answers, of every call that reached that point together)."""
+
+    __slots__ = ("transport", "_queued")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.BaseTransport | None = None  # set once connected
+        self._queued: list[bytes] = []
+
+    def write(self, ask_id: int, payload: bytes) -> None:
+        if not self._queued:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._queued.append(frame(ask_id, payload))
+
+    def _flush(self) -> None:
+        data = b"".join(self._queued)
+        self._queued.clear()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)  # type: ignore[attr-defined]
 
 
 class FrameReader:
