@@ -6,7 +6,8 @@ addresses. 64 programs make calls through nginx (plain sessions, sub-agents that
 parent, Claude Code runs whose agents share the run's id), and the placement property must
 hold: every call of a program reaches the one gateway that owns it, a sub-agent the gateway of
 its parent. Then a third gateway joins the ring: only programs that move to it move. A
-gateway that stops takes down only its own programs' calls, each with a JSON error.
+gateway that stops takes down only its own programs' calls, each with a JSON error, and that
+error leaves the client's connection usable for its next call.
 
 nginx comes from the system's packages (scripts/setup_proxy.sh installs it where it runs as
 root, as CI does); without it this tier skips, and says so.
@@ -20,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -137,13 +139,24 @@ http {{
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def placements(self) -> dict[str, set[str]]:
-        """For each key nginx hashed, the gateways (host:port) it sent that key's calls to."""
-        chosen: dict[str, set[str]] = defaultdict(set)
-        for line in self.access_log.read_text().splitlines():
-            key, upstream, _status = line.rsplit(" ", 2)
-            chosen[key].add(upstream)
-        return chosen
+    def error_log_tail(self, lines: int = 20) -> str:
+        return "\n".join((self.workdir / "error.log").read_text().splitlines()[-lines:])
+
+    def placements(self, calls: int) -> dict[str, set[str]]:
+        """For each key nginx hashed, the gateways (host:port) it sent that key's calls to,
+        once the log holds a line for each of the ``calls`` made: nginx writes a call's line
+        after its answer has gone, so the last line can come after the client has read it."""
+        def logged() -> dict[str, set[str]] | None:
+            lines = [line for line in self.access_log.read_text().splitlines(keepends=True)
+                     if line.endswith("\n")]
+            if len(lines) < calls:
+                return None
+            chosen: dict[str, set[str]] = defaultdict(set)
+            for line in lines:
+                key, upstream, _status = line.rstrip("\n").rsplit(" ", 2)
+                chosen[key].add(upstream)
+            return chosen
+        return wait_for(logged, timeout=10, what=f"nginx's access log to hold {calls} lines")
 
 
 @contextmanager
@@ -174,7 +187,8 @@ def test_every_call_of_a_program_reaches_the_gateway_that_owns_it(two_shards):
     with httpx.Client(base_url=proxy.url, timeout=30, trust_env=False) as client:
         send_every_call(client, calls)
 
-    placed = proxy.placements()
+    # every call of every program, and the streamed one send_every_call ends with
+    placed = proxy.placements(sum(len(each) for each in calls.values()) + 1)
     assert set(placed) == set(calls), set(placed) ^ set(calls)
     split = {key: upstreams for key, upstreams in placed.items() if len(upstreams) != 1}
     assert not split, f"programs whose calls reached more than one gateway: {split}"
@@ -195,7 +209,7 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
     with httpx.Client(base_url=proxy.url, timeout=30, trust_env=False) as client:
         for root in roots:
             assert call(client, headers[root]).status_code == 200
-    before = {key: next(iter(upstreams)) for key, upstreams in proxy.placements().items()}
+    before = {key: next(iter(upstreams)) for key, upstreams in proxy.placements(len(roots)).items()}
 
     # K = 2 → 3: a new gateway with workers of its own joins the ring
     third = stack.enter_context(shard("c", 2))
@@ -204,7 +218,7 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
     with httpx.Client(base_url=proxy.url, timeout=30, trust_env=False) as client:
         for root in roots:
             assert call(client, headers[root]).status_code == 200
-    after = {key: next(iter(upstreams)) for key, upstreams in proxy.placements().items()}
+    after = {key: next(iter(upstreams)) for key, upstreams in proxy.placements(len(roots)).items()}
     moved = {key for key in roots if after[key] != before[key]}
     assert all(after[key] == address(third) for key in moved), \
         {key: (before[key], after[key]) for key in moved if after[key] != address(third)}
@@ -219,7 +233,10 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
     stopped.close()
     with httpx.Client(base_url=proxy.url, timeout=30, trust_env=False) as client:
         for root in roots:
-            answer = call(client, headers[root])
+            try:
+                answer = call(client, headers[root])
+            except httpx.TransportError as error:
+                raise AssertionError(f"{root}: {error!r}; nginx's error log ends:\n{proxy.error_log_tail()}") from error
             if after[root] == address(stopped):
                 assert answer.status_code == 502, (root, answer.status_code, answer.text[:300])
                 error = answer.json()["error"]
@@ -228,3 +245,51 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
             else:
                 assert answer.status_code == 200, (root, answer.status_code, answer.text[:300])
     assert sum(1 for root in roots if after[root] == address(stopped)) > 0
+
+
+def _read_answer(connection: socket.socket) -> bytes:
+    """One whole HTTP/1.1 answer (head and a Content-Length body), or what came before the
+    connection closed."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = connection.recv(65536)
+        if not chunk:
+            return received
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_the_json_502_leaves_the_clients_connection_usable_for_its_next_call(tmp_path):
+    # both gateways of the ring are down, and the first call's body comes half a second after
+    # its head; the proxy's 502 says keep-alive, so the next call on the same connection must
+    # be answered too (with `proxy_request_buffering off` nginx tried the gateway before the
+    # body was in, answered, and then closed the connection under the client's next call)
+    proxy = Nginx(tmp_path).start([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"])
+    try:
+        body = b'{"model":"sluice-sim","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}'
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                f"x-session-id: the-first-program\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as connection:
+            connection.sendall(head)
+            # time for nginx to read the head, and (with the request unbuffered) to try the
+            # gateway, before the body comes
+            time.sleep(0.5)
+            connection.sendall(body)
+            first = _read_answer(connection)
+            assert first.startswith(b"HTTP/1.1 502") and b"shard_unreachable" in first, first[:300]
+            assert b"connection: close" not in first.lower(), first[:300]
+            connection.sendall(head + body)
+            second = _read_answer(connection)
+            assert second.startswith(b"HTTP/1.1 502") and b"shard_unreachable" in second, \
+                f"the call after the 502 got {second[:300]!r}: nginx's error log ends:\n" \
+                f"{proxy.error_log_tail()}"
+    finally:
+        proxy.stop()
