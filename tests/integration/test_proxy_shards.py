@@ -235,8 +235,9 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
         for root in roots:
             try:
                 answer = call(client, headers[root])
-            except httpx.TransportError as error:
-                raise AssertionError(f"{root}: {error!r}; nginx's error log ends:\n{proxy.error_log_tail()}") from error
+            except httpx.TransportError as broken:
+                raise AssertionError(f"{root}: {broken!r}; nginx's error log ends:\n"
+                                     f"{proxy.error_log_tail()}") from broken
             if after[root] == address(stopped):
                 assert answer.status_code == 502, (root, answer.status_code, answer.text[:300])
                 error = answer.json()["error"]
