@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.support.gateway_harness import Gateway, LogSink, chat, fakes, serve_config, wait_for
+from tests.support.gateway_harness import (Gateway, LogSink, chat, fakes, read_http_answer, serve_config,
+                                           wait_for)
 
 from controller.gateway import create_app
 from controller.serve_config import ServeConfig, parse_serve_config
@@ -105,25 +106,6 @@ def _read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
     except socket.timeout:
         raise AssertionError(f"the connection is still open after {timeout}s "
                              f"(received {bytes(received[:80])!r})") from None
-
-
-def _read_response(sock: socket.socket) -> bytes:
-    """One response of known length off a kept-alive connection (b"" if it was closed)."""
-    received = bytearray()
-    while b"\r\n\r\n" not in received:
-        data = sock.recv(65536)
-        if not data:
-            return bytes(received)
-        received += data
-    head, _, body = bytes(received).partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        data = sock.recv(65536)
-        if not data:
-            break
-        body += data
-    return head + b"\r\n\r\n" + body
 
 
 def _chat_request(session: str, body: bytes | None = None, **headers: str) -> bytes:
@@ -245,7 +227,7 @@ def test_silent_clients_and_partial_heads_and_bodies_are_closed_by_the_timeouts(
             sock.sendall(_chat_request(f"slow-{n}", body=b"x" * 1000)[:-990])
         reused = _connect(server.port)  # a whole request, then part of the next one's head
         reused.sendall(_chat_request("reused"))
-        assert _read_response(reused).startswith(b"HTTP/1.1 200 ")
+        assert read_http_answer(reused).startswith(b"HTTP/1.1 200 ")
         reused.sendall(f"POST {CHAT} HTTP/1.1\r\nhost: 127.0.0.1\r\n".encode())
         partial_heads.append(reused)
 
@@ -322,10 +304,10 @@ def test_an_idle_connection_is_kept_past_five_seconds_by_default():
         sock = _connect(server.port)
         try:
             sock.sendall(_chat_request("kept"))
-            assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+            assert read_http_answer(sock).startswith(b"HTTP/1.1 200 ")
             time.sleep(6.0)
             sock.sendall(_chat_request("kept"))
-            assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+            assert read_http_answer(sock).startswith(b"HTTP/1.1 200 ")
         finally:
             sock.close()
         _quiet(gw)
@@ -336,7 +318,7 @@ def test_an_idle_connection_is_closed_after_keep_alive_s():
         sock = _connect(server.port)
         try:
             sock.sendall(_chat_request("idle"))
-            assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+            assert read_http_answer(sock).startswith(b"HTTP/1.1 200 ")
             assert _read_until_closed(sock) == b""
         finally:
             sock.close()

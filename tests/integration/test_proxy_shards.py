@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.gateway_harness import Gateway, gateway, serve_config, wait_for
+from tests.support.gateway_harness import Gateway, gateway, read_http_answer, serve_config, wait_for
 from tests.support.shard_fleet import (
     CLAUDE_RUNS,
     ROOTS,
@@ -248,25 +248,6 @@ def test_a_third_gateway_takes_programs_only_for_itself_and_a_stopped_one_only_i
     assert sum(1 for root in roots if after[root] == address(stopped)) > 0
 
 
-def _read_answer(connection: socket.socket) -> bytes:
-    """One whole HTTP/1.1 answer (head and a Content-Length body), or what came before the
-    connection closed."""
-    received = b""
-    while b"\r\n\r\n" not in received:
-        chunk = connection.recv(65536)
-        if not chunk:
-            return received
-        received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
-    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
-    while len(body) < length:
-        chunk = connection.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return head + b"\r\n\r\n" + body
-
-
 def test_the_json_502_leaves_the_clients_connection_usable_for_its_next_call(tmp_path):
     # both gateways of the ring are down, and the first call's body comes half a second after
     # its head; the proxy's 502 says keep-alive, so the next call on the same connection must
@@ -284,11 +265,11 @@ def test_the_json_502_leaves_the_clients_connection_usable_for_its_next_call(tmp
             # gateway, before the body comes
             time.sleep(0.5)
             connection.sendall(body)
-            first = _read_answer(connection)
+            first = read_http_answer(connection)
             assert first.startswith(b"HTTP/1.1 502") and b"shard_unreachable" in first, first[:300]
             assert b"connection: close" not in first.lower(), first[:300]
             connection.sendall(head + body)
-            second = _read_answer(connection)
+            second = read_http_answer(connection)
             assert second.startswith(b"HTTP/1.1 502") and b"shard_unreachable" in second, \
                 f"the call after the 502 got {second[:300]!r}: nginx's error log ends:\n" \
                 f"{proxy.error_log_tail()}"

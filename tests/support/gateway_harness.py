@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -140,6 +141,26 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "co
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
+
+
+def read_http_answer(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 answer of known length (head and Content-Length body) off a kept-alive
+    connection: what came before the connection closed (b"" if it closed first)."""
+    received = bytearray()
+    while b"\r\n\r\n" not in received:
+        data = sock.recv(65536)
+        if not data:
+            return bytes(received)
+        received += data
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        data = sock.recv(65536)
+        if not data:
+            break
+        body += data
+    return head + b"\r\n\r\n" + body
 
 
 def chat(content: str = "hello", **extra: Any) -> dict:
