@@ -44,7 +44,6 @@ import hmac
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated
 
 import yaml
