@@ -39,20 +39,19 @@ class _RelayConnection(asyncio.Protocol):
     def __init__(self, service: PolicyService) -> None:
         self.service = service
         self.name = "?"  # until its hello
-        self.transport: asyncio.Transport | None = None
-        self.writer = wire.FrameWriter()
+        self.writer: wire.FrameWriter | None = None  # once connected
         self.reader = wire.FrameReader(service.frame_limit)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = self.writer.transport = transport  # type: ignore[assignment]
+        self.writer = wire.FrameWriter(transport)
 
     def data_received(self, data: bytes) -> None:
         try:
             frames = self.reader.feed(data)
         except wire.FrameTooLarge as err:
             self.service.log.error("relay connection closed", relay=self.name, problem=str(err))
-            assert self.transport is not None
-            self.transport.close()
+            assert self.writer is not None
+            self.writer.transport.close()
             return
         for ask_id, payload in frames:
             self.service.received(self, ask_id, payload)
@@ -61,6 +60,7 @@ class _RelayConnection(asyncio.Protocol):
         self.service.gone(self)
 
     def send(self, ask_id: int, answer: wire.Answer) -> None:
+        assert self.writer is not None  # answers follow asks, which follow the connection
         self.writer.write(ask_id, _encode(answer))
 
 

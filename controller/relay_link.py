@@ -86,8 +86,7 @@ class RemotePolicyLink:
         self._ask_timeout_s = ask_timeout_s
         self._retry_after_s = retry_after_s
         self._frame_limit = frame_limit
-        self._transport: asyncio.Transport | None = None
-        self._writer = wire.FrameWriter()
+        self._writer: wire.FrameWriter | None = None  # once connected
         self._gone: str | None = None  # why the connection is gone, once it is
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[bytes]] = {}
@@ -104,15 +103,14 @@ class RemotePolicyLink:
         except OSError as err:
             raise PolicyGone(f"cannot connect to {self._path}: {err}",
                              self._retry_after_s) from None
-        # uvloop's transport is no asyncio.Transport
-        self._transport = self._writer.transport = transport  # type: ignore[assignment]
+        self._writer = wire.FrameWriter(transport)
         await self._ask(wire.Hello(self._name), "hello")
 
     async def aclose(self) -> None:
         if self._gone is None:
             self._gone = "the relay closed it"  # its own doing: nothing to report
-        if self._transport is not None:
-            self._transport.close()
+        if self._writer is not None:
+            self._writer.transport.close()
 
     def answered(self, ask_id: int, payload: bytes) -> None:
         future = self._waiting.pop(ask_id, None)
@@ -124,8 +122,8 @@ class RemotePolicyLink:
         if self._gone is None:
             self._gone = why
             self._log.error("connection to the policy process lost", problem=why)
-        if self._transport is not None:
-            self._transport.close()
+        if self._writer is not None:
+            self._writer.transport.close()
         waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
             if not future.done():
@@ -133,7 +131,8 @@ class RemotePolicyLink:
 
     async def _ask(self, ask: Any, what: str, timeout_s: float | None = None) -> msgspec.Raw:
         """Send ``ask`` and wait for its answer's value; a refusal raises its GatewayError."""
-        if self._gone is not None or self._transport is None:
+        writer = self._writer
+        if self._gone is not None or writer is None:
             raise PolicyGone(self._gone or "not connected", self._retry_after_s)
         loop = asyncio.get_running_loop()
         ask_id = next(self._ids)
@@ -142,7 +141,7 @@ class RemotePolicyLink:
         # a timer rather than asyncio.wait_for: a handle costs less than a task per ask
         timer = loop.call_later(timeout_s or self._ask_timeout_s, _expire, future)
         try:
-            self._writer.write(ask_id, _encode(ask))
+            writer.write(ask_id, _encode(ask))
             payload = await future
         except TimeoutError:
             raise PolicyGone(what, self._retry_after_s) from None
@@ -182,9 +181,9 @@ class RemotePolicyLink:
 
     def _abandon(self, call: CallRequest) -> None:
         # Sent without waiting, so it goes even from a cancelled task; no answer comes.
-        if self._transport is not None and not self._transport.is_closing():
-            abandon = wire.Abandon(call.request_id)
-            self._writer.write(wire.NO_ANSWER, _encode(abandon))
+        writer = self._writer
+        if writer is not None and not writer.transport.is_closing():
+            writer.write(wire.NO_ANSWER, _encode(wire.Abandon(call.request_id)))
 
     async def _connect(self, worker: str, url: str) -> None:
         """Open the relay's connections to ``worker`` at ``url`` if they are not open yet."""

@@ -172,13 +172,14 @@ def frame(ask_id: int, payload: bytes) -> bytes:
 
 
 class FrameWriter:
-    """Frames to one transport; those of one turn of the event loop go out in one write (one
-    system call for the asks, or answers, of every call that reached that point together)."""
+    """Frames to one connection's transport; those of one turn of the event loop go out in
+    one write (one system call for the asks, or answers, of every call that reached that
+    point together)."""
 
     __slots__ = ("transport", "_queued")
 
-    def __init__(self) -> None:
-        self.transport: asyncio.BaseTransport | None = None  # set once connected
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
         self._queued: list[bytes] = []
 
     def write(self, ask_id: int, payload: bytes) -> None:
@@ -189,9 +190,8 @@ class FrameWriter:
     def _flush(self) -> None:
         data = b"".join(self._queued)
         self._queued.clear()
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(data)  # type: ignore[attr-defined]
+        if not self.transport.is_closing():
+            self.transport.write(data)  # type: ignore[attr-defined]
 
 
 class FrameReader:

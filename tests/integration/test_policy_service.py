@@ -72,7 +72,7 @@ def test_an_admitted_call_let_go_of_is_aborted_and_a_completed_one_counts(tmp_pa
             assert view.in_flight == 0 and view.steps == 1
             # admitted, then let go of (the abandon crossed the answer): aborted in the policy
             assert await link.admit(_call(2)) is not None
-            link._transport.write(frame(NO_ANSWER, msgspec.msgpack.encode(Abandon("r2"))))
+            link._writer.transport.write(frame(NO_ANSWER, msgspec.msgpack.encode(Abandon("r2"))))
             await _until(lambda: parts.admission.program_view("s").in_flight == 0)
             assert parts.admission.program_view("s").steps == 1  # not counted as a step
         finally:
